@@ -1,0 +1,36 @@
+# modelwarden: `make run` serves the example model; `make test` runs the whole suite.
+VENV    ?= .venv
+PYTHON  ?= python3
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-stamp
+# torch is pinned here: an unpinned install pulls a multi-GB CUDA build.
+TORCH   ?= torch==2.13.0
+CONFIG  ?= examples/modelwarden.toml
+
+.PHONY: install run test test-fast bench soak lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/modelwarden serve --config $(CONFIG)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+bench: $(STAMP)
+	$(PY) bench/payloads.py
+
+soak: $(STAMP)
+	$(PY) bench/soak.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,1 @@
+"""Example models and configuration for modelwarden."""

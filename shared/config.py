@@ -1,0 +1,436 @@
+"""Configuration: a TOML file, overridden by ``MODELWARDEN_*`` environment variables.
+
+``modelwarden serve --config PATH`` (or ``MODELWARDEN_CONFIG``) names the file. Environment
+variables override keys with ``__`` between levels; a model is addressed by its name or its
+index: ``MODELWARDEN_DAEMON__LOG_LEVEL=DEBUG``, ``MODELWARDEN_MODELS__mlp__WORKERS=4``. Values are
+parsed as JSON when they parse (numbers, booleans, lists), else taken as strings.
+
+Relative paths in the file (model files, probe files, ``python_path``) are relative to the file's
+directory. An invalid configuration raises ConfigError naming the key path and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from shared.protocol import DTYPES
+
+ENV_PREFIX = "MODELWARDEN_"
+ENV_CONFIG = "MODELWARDEN_CONFIG"
+ENV_ENDPOINT = "MODELWARDEN_ENDPOINT"
+_NOT_OVERRIDES = {ENV_CONFIG, ENV_ENDPOINT}
+SOURCE_SCHEMES = ("torchscript", "export", "python")
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+               "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+class ConfigError(Exception):
+    """An unusable configuration: ``key`` is a dotted path into the file, ``problem`` says why."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key}: {problem}" if key else problem)
+        self.key = key
+        self.problem = problem
+
+
+def parse_size(value: Any) -> int | None:
+    """Bytes from an int or a string such as "2GiB", "512MB", "64KiB"."""
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"not a size: {value!r} (use bytes, or e.g. '512MiB', '2GB')")
+    unit = (match.group(2) or "").upper().rstrip("B")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Strict):
+    """One declared model input. ``-1`` in ``shape`` is a dynamic dimension (1 in warm-up)."""
+
+    name: str = Field(min_length=1, max_length=128)
+    dtype: str
+    shape: list[int]
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"unknown dtype {value!r}; known: {', '.join(DTYPES)}")
+        return value
+
+    @field_validator("shape")
+    @classmethod
+    def _dims(cls, value: list[int]) -> list[int]:
+        if any(dim < -1 for dim in value):
+            raise ValueError("dimensions are >= 0, or -1 for a dynamic dimension")
+        return value
+
+
+class ProbeConfig(_Strict):
+    """The sentinel: a known input whose output is known, sent to every READY worker."""
+
+    interval: float = Field(default=10.0, ge=0, description="seconds between probes; 0 = off")
+    seed: int = 0
+    input: Path | None = None
+    golden: Path | None = None
+    atol: float = Field(default=1e-5, ge=0)
+    rtol: float = Field(default=1e-4, ge=0)
+    range: tuple[float, float] | None = None
+    latency_factor: float = Field(default=10.0, gt=1)
+    latency_slack_ms: float = Field(default=100.0, ge=0)
+    failures: int = Field(default=3, ge=1)
+    timeout: float = Field(default=10.0, gt=0)
+
+
+class ModelConfig(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    source: str
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    workers: int = Field(default=1, ge=1, le=1024)
+    device: str | list[str] = "cpu"
+    cores_per_worker: int | None = Field(default=None, ge=1)
+    cores: list[list[int]] | None = None
+    threads: int | None = Field(default=None, ge=1)
+    warmup: int = Field(default=20, ge=0)
+    inputs: list[InputSpec] | None = None
+    reject_nonfinite: bool = False
+    cuda_fallback_to_cpu: bool = False
+    # requests
+    timeout: float = Field(default=30.0, gt=0, description="default request deadline, seconds")
+    max_queue: int = Field(default=1024, ge=1)
+    max_inflight: int = Field(default=1, ge=1, le=64)
+    retries: int = Field(default=1, ge=0, le=1)
+    # health and restarts
+    heartbeat_timeout: float = Field(default=30.0, gt=0)
+    start_timeout: float = Field(default=300.0, gt=0)
+    start_seconds: float = Field(default=10.0, ge=0)
+    max_start_failures: int = Field(default=5, ge=1)
+    backoff_initial: float = Field(default=0.5, ge=0)
+    backoff_max: float = Field(default=30.0, ge=0)
+    kill_grace: float = Field(default=5.0, ge=0)
+    drain_timeout: float = Field(default=30.0, ge=0)
+    # recycling
+    max_rss: int | None = None
+    max_cuda_memory: int | None = None
+    max_requests: int | None = Field(default=None, ge=1)
+    max_requests_jitter: int = Field(default=0, ge=0)
+    probe: ProbeConfig = Field(default_factory=ProbeConfig)
+
+    @field_validator("max_rss", "max_cuda_memory", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> int | None:
+        return parse_size(value)
+
+    @field_validator("source")
+    @classmethod
+    def _scheme(cls, value: str) -> str:
+        scheme, sep, rest = value.partition(":")
+        if not sep or scheme not in SOURCE_SCHEMES or not rest:
+            raise ValueError(f"unknown source scheme in {value!r}; use torchscript:PATH, "
+                             "export:PATH or python:module:callable")
+        if scheme == "python" and not re.match(r"^[\w.]+:[\w.]+$", rest):
+            raise ValueError(f"python source must be python:module:callable, got {value!r}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _devices(cls, value: str | list[str]) -> str | list[str]:
+        for device in [value] if isinstance(value, str) else value:
+            if not re.match(r"^(cpu|cuda|cuda:[0-9]+)$", device):
+                raise ValueError(f"device {device!r}: use cpu, cuda, cuda:N, or a list of them")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelConfig":
+        if isinstance(self.device, list) and len(self.device) != self.workers:
+            raise ValueError(f"device lists {len(self.device)} devices for {self.workers} workers")
+        if self.cores is not None:
+            if len(self.cores) != self.workers:
+                raise ValueError(f"cores lists {len(self.cores)} core sets for {self.workers} workers")
+            if any(not cores for cores in self.cores):
+                raise ValueError("every core set in 'cores' needs at least one core")
+        if self.warmup > 0 and not self.inputs and self.probe.input is None:
+            raise ValueError("warm-up needs an example input: declare 'inputs' (or set warmup = 0)")
+        return self
+
+    def device_of(self, index: int) -> str:
+        return self.device[index] if isinstance(self.device, list) else self.device
+
+
+class DaemonConfig(_Strict):
+    runtime_dir: Path | None = None
+    frontend: list[str] | None = None
+    control: str | None = None
+    backend: str | None = None
+    allow_oversubscription: bool = False
+    shm: bool = True
+    shm_threshold: int = Field(default=64 * 1024, ge=0)
+    shm_group: str | None = None
+    shm_sweep_interval: float = Field(default=2.0, gt=0)
+    max_message_bytes: int = Field(default=2**31)
+    graceful_timeout: float = Field(default=30.0, ge=0)
+    heartbeat_interval: float = Field(default=0.5, gt=0)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_format: Literal["text", "json"] = "text"
+    python_path: list[Path] = Field(default_factory=list)
+
+    @field_validator("shm_threshold", "max_message_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any) -> int | None:
+        return parse_size(value)
+
+    @field_validator("frontend")
+    @classmethod
+    def _endpoints(cls, value: list[str] | None) -> list[str] | None:
+        for endpoint in value or []:
+            check_endpoint(endpoint)
+        return value
+
+
+def check_endpoint(endpoint: str) -> str:
+    if not re.match(r"^(ipc://.+|tcp://[^:]+:[0-9]+)$", endpoint):
+        raise ValueError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
+    return endpoint
+
+
+class Settings(BaseSettings):
+    """The whole file: ``[daemon]`` and ``[[models]]``."""
+
+    model_config = SettingsConfigDict(extra="forbid", frozen=True)
+
+    daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    models: list[ModelConfig] = Field(default_factory=list)
+    config_path: Path | None = None
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
+                                   dotenv_settings, file_secret_settings):
+        return (init_settings, _FileWithEnvOverrides(settings_cls))
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "Settings":
+        names = [model.name for model in self.models]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(f"model name {name!r} is used twice")
+        return self
+
+    @property
+    def base_dir(self) -> Path:
+        return self.config_path.parent if self.config_path else Path.cwd()
+
+    def resolve(self, path: Path | str) -> Path:
+        path = Path(path).expanduser()
+        return path if path.is_absolute() else self.base_dir / path
+
+    @property
+    def runtime_dir(self) -> Path:
+        if self.daemon.runtime_dir is not None:
+            return self.resolve(self.daemon.runtime_dir)
+        return default_runtime_dir()
+
+    @property
+    def frontends(self) -> list[str]:
+        return self.daemon.frontend or [f"ipc://{self.runtime_dir}/frontend.sock"]
+
+    @property
+    def control_endpoint(self) -> str:
+        return self.daemon.control or f"ipc://{self.runtime_dir}/control.sock"
+
+    @property
+    def backend_endpoint(self) -> str:
+        return self.daemon.backend or f"ipc://{self.runtime_dir}/backend.sock"
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((model for model in self.models if model.name == name), None)
+
+
+def default_runtime_dir() -> Path:
+    if os.geteuid() == 0:
+        return Path("/run/modelwarden")
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "modelwarden" if xdg else Path(f"/tmp/modelwarden-{os.geteuid()}")
+
+
+class _FileWithEnvOverrides(PydanticBaseSettingsSource):
+    """TOML file first, then MODELWARDEN_* variables merged in key by key."""
+
+    def __init__(self, settings_cls, path: Path | None = None) -> None:
+        super().__init__(settings_cls)
+        self.path = path
+
+    def get_field_value(self, field, field_name):  # required by the base class; unused
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        path = _CURRENT_PATH.get("path")
+        if path is not None:
+            data = _read_toml(path)
+            data["config_path"] = str(path)
+        for name, raw in sorted(os.environ.items()):
+            if name.startswith(ENV_PREFIX) and name not in _NOT_OVERRIDES:
+                keys = name[len(ENV_PREFIX):].split("__")
+                _apply_override(data, [key.lower() for key in keys[:1]] + keys[1:], raw)
+        return data
+
+
+_CURRENT_PATH: dict[str, Path | None] = {}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError:
+        raise ConfigError("", f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
+
+
+def _env_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def _apply_override(data: dict[str, Any], keys: list[str], raw: str) -> None:
+    if keys[0] == "models" and len(keys) >= 3:
+        models = data.setdefault("models", [])
+        target = _find_model(models, keys[1])
+        node = target
+        keys = keys[2:]
+    else:
+        node = data
+    keys = [key.lower() for key in keys]
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(".".join(keys), "environment override reaches into a non-table")
+    node[keys[-1]] = _env_value(raw)
+
+
+def _find_model(models: list, key: str) -> dict:
+    for model in models:
+        if isinstance(model, dict) and model.get("name") == key:
+            return model
+    if key.isdigit() and int(key) < len(models):
+        return models[int(key)]
+    raise ConfigError(f"models.{key}", "environment override names no configured model")
+
+
+def load_settings(path: str | Path | None = None) -> Settings:
+    """Read, merge and validate the configuration; raises ConfigError, never ValidationError."""
+    if path is None and os.environ.get(ENV_CONFIG):
+        path = os.environ[ENV_CONFIG]
+    resolved = Path(path).expanduser().resolve() if path is not None else None
+    _CURRENT_PATH["path"] = resolved
+    try:
+        settings = Settings()
+    except ValidationError as exc:
+        raise _first_problem(exc, resolved) from None
+    finally:
+        _CURRENT_PATH.pop("path", None)
+    check_files(settings)
+    return settings
+
+
+def _first_problem(exc: ValidationError, path: Path | None) -> ConfigError:
+    error = exc.errors()[0]
+    key = format_key(error["loc"])
+    models = _read_toml(path).get("models", []) if path else []
+    loc = error["loc"]
+    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int) and loc[1] < len(models):
+        name = models[loc[1]].get("name") if isinstance(models[loc[1]], dict) else None
+        if name:
+            key += f" (model {name!r})"
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    return ConfigError(key, message)
+
+
+def format_key(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def check_files(settings: Settings) -> None:
+    """Files the configuration names must exist now, not when a worker first needs them."""
+    for index, model in enumerate(settings.models):
+        scheme, _, rest = model.source.partition(":")
+        where = f"models[{index}].source (model {model.name!r})"
+        if scheme in ("torchscript", "export") and not settings.resolve(rest).is_file():
+            raise ConfigError(where, f"model file {settings.resolve(rest)} does not exist")
+        for key in ("input", "golden"):
+            value = getattr(model.probe, key)
+            if value is not None and not settings.resolve(value).is_file():
+                raise ConfigError(f"models[{index}].probe.{key} (model {model.name!r})",
+                                  f"file {settings.resolve(value)} does not exist")
+
+
+@dataclass
+class WorkerSpec:
+    """The blueprint of one worker process: everything the child needs, nothing it computes."""
+
+    model: ModelConfig
+    slot: int
+    generation: int
+    cores: list[int]
+    threads: int
+    device: str
+    backend: str
+    supervisor_pid: int
+    base_dir: str
+    python_path: list[str] = field(default_factory=list)
+    heartbeat_interval: float = 0.5
+    shm_threshold: int = 64 * 1024
+    log_level: str = "INFO"
+    log_format: str = "text"
+
+    @property
+    def worker_id(self) -> str:
+        return f"{self.model.name}#{self.slot}"
+
+    @property
+    def identity(self) -> bytes:
+        return f"{self.worker_id}.{self.generation}".encode()
+
+    @property
+    def placement(self) -> str:
+        if self.device.startswith("cuda"):
+            return self.device
+        return f"cpu[{format_cores(self.cores)}]"
+
+
+def format_cores(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the kernel's cpu-list format)."""
+    parts, start, prev = [], None, None
+    for core in sorted(cores):
+        if start is None:
+            start = prev = core
+        elif core == prev + 1:
+            prev = core
+        else:
+            parts.append(f"{start}-{prev}" if start != prev else str(start))
+            start = prev = core
+    if start is not None:
+        parts.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(parts)

@@ -1,0 +1,456 @@
+"""modelwarden wire protocol, version 1.
+
+This docstring is the specification; ``docs/PROTOCOL.md`` repeats it with worked examples.
+The module imports nothing else of ours, so any client may vendor it.
+
+Transport
+=========
+ZeroMQ. The daemon binds a ROUTER socket on each *frontend* endpoint (``ipc://`` or ``tcp://``)
+and another on the *control* endpoint. A client connects a DEALER (many requests in flight) or a
+REQ socket (one at a time). Every message is a multipart message::
+
+    [ "" ]          optional empty delimiter frame; REQ sockets add it. A reply mirrors it.
+    "MWP1"          signature: protocol name and version (4 bytes, ASCII)
+    header          one msgpack map (see below), at most MAX_HEADER_BYTES
+    payload 0..n-1  raw tensor bytes, one frame per *inline* tensor, in descriptor order
+
+The ROUTER adds (and strips) the peer's routing id in front; a client never sees it.
+
+Header of a request
+===================
+Every request header has ``type`` (str) and ``id`` (int or str of at most 128 bytes, chosen by
+the client, echoed in the reply; a client drops replies whose id it no longer waits for).
+
+``infer``: run a model::
+
+    {"type": "infer", "id": 7, "model": "mlp",
+     "inputs": TREE, "tensors": [DESC, ...],
+     "timeout_ms": 5000,                 # optional; the model's default otherwise
+     "out": ["mw.123.456.<hex>", 0, 1048576]}   # optional shared-memory region for outputs
+
+``hello``: ask what the daemon offers (protocol version, models, shared-memory settings).
+
+``register`` / ``unregister``: declare shared-memory segments this connection created::
+
+    {"type": "register", "id": 1, "segments": [["mw.123.456.<hex>", 67108864]]}
+    {"type": "unregister", "id": 2, "segments": ["mw.123.456.<hex>"]}
+
+On the control endpoint: ``status`` and ``restart`` (``{"target": "mlp"}`` or a worker id).
+
+Tensors
+=======
+TREE says how tensors nest: an int ``i`` is ``tensors[i]``; an array is a list; ``{"tuple":
+[...]}`` is a tuple; ``{"dict": {"name": TREE}}`` is a dict of named tensors. At most
+MAX_TREE_DEPTH levels and MAX_TENSORS tensors. Every tensor is used exactly once.
+
+DESC describes one tensor; exactly one of ``frame`` and ``shm`` is present::
+
+    {"dtype": "float32", "shape": [2, 64], "frame": 0}
+    {"dtype": "float32", "shape": [4096, 4096], "shm": [SEGMENT, OFFSET, NBYTES]}
+
+``dtype`` is a key of DTYPES. ``shape`` lists non-negative ints (``[]`` is a 0-d scalar). Bytes
+are C-contiguous, little-endian; bool is one byte 0/1; bfloat16 is the upper half of a float32.
+An inline tensor's frame holds exactly ``prod(shape) * itemsize`` bytes; the inline descriptors
+number their frames 0, 1, 2... in order. A shared-memory tensor lies at ``OFFSET`` in the POSIX
+shared-memory object ``SEGMENT`` (``/dev/shm/SEGMENT`` on Linux) and ``NBYTES`` equals
+``prod(shape) * itemsize``.
+
+Shared memory
+=============
+Only clients create segments. A segment name matches SEGMENT_NAME_RE: ``mw.<pid>.<start>.<32 hex>``
+where ``pid`` and ``start`` (the process start time in clock ticks, field 22 of
+``/proc/<pid>/stat``) name the creating process; the daemon unlinks segments whose creator is
+gone. Segments are created mode 0600 (0660 when the daemon shares a group). A request may only
+reference segments registered on the same connection, inside their registered size. The worker
+maps the segment, reads inputs in place and writes outputs once: into the request's ``out``
+region when they fit, otherwise inline. An output that *is* (a view of) an input comes back
+as a descriptor into that input's region, as it would be in-process.
+
+Reply
+=====
+Success::
+
+    {"id": 7, "ok": true, "outputs": TREE, "tensors": [DESC, ...], "worker": "mlp#1",
+     "timing": {"queue_us": 12, "compute_us": 230, "total_us": 410}}
+
+Failure (no payload frames)::
+
+    {"id": 7, "ok": false, "error": {"code": "BAD_INPUT", "message": "..."}}
+
+``id`` is null when the request's header could not be read. Every accepted request gets
+exactly one reply. Error codes are ERROR_CODES below.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+SIGNATURE = b"MWP1"
+PROTOCOL_VERSION = 1
+
+# -- error codes: the whole set a client may see -------------------------------------------------
+BAD_REQUEST = "BAD_REQUEST"
+BAD_INPUT = "BAD_INPUT"
+UNKNOWN_MODEL = "UNKNOWN_MODEL"
+NO_WORKER = "NO_WORKER"
+MODEL_ERROR = "MODEL_ERROR"
+OUT_OF_MEMORY = "OUT_OF_MEMORY"
+WORKER_DIED = "WORKER_DIED"
+POISON = "POISON"
+TIMEOUT = "TIMEOUT"
+OVERLOADED = "OVERLOADED"
+SHUTTING_DOWN = "SHUTTING_DOWN"
+INTERNAL = "INTERNAL"
+
+ERROR_CODES: dict[str, str] = {
+    BAD_REQUEST: "the message is malformed: framing, header schema, descriptors, segments",
+    BAD_INPUT: "well formed, but the tensors disagree with the model's declared inputs, "
+    "or hold NaN/Inf where the model rejects them",
+    UNKNOWN_MODEL: "no model of that name is configured",
+    NO_WORKER: "every worker slot of the model is FATAL; nothing can serve it until a restart",
+    MODEL_ERROR: "the model raised an exception; the worker stays up",
+    OUT_OF_MEMORY: "the model ran out of (GPU) memory on this input; the worker stays up",
+    WORKER_DIED: "the worker died while holding the request and retries are off or spent",
+    POISON: "the request was in flight on two workers that both died; it is not retried again",
+    TIMEOUT: "the request's deadline passed before an answer",
+    OVERLOADED: "the model's queue is full; retry later",
+    SHUTTING_DOWN: "the daemon is stopping and takes no new work",
+    INTERNAL: "a bug in modelwarden; the message says where",
+}
+
+# -- dtypes: name -> itemsize in bytes ----------------------------------------------------------
+DTYPES: dict[str, int] = {
+    "bool": 1,
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "int32": 4,
+    "int64": 8,
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+# -- limits: every bound a hostile peer could push on -------------------------------------------
+MAX_HEADER_BYTES = 256 * 1024
+MAX_ID_BYTES = 128
+MAX_NAME_BYTES = 256
+MAX_TENSORS = 1024
+MAX_DIMS = 32
+MAX_TREE_DEPTH = 16
+MAX_SEGMENTS_PER_MESSAGE = 256
+MAX_TENSOR_BYTES = 1 << 48  # no machine has this much memory; keeps all arithmetic small
+MAX_INT = (1 << 63) - 1
+
+SEGMENT_PREFIX = "mw."
+SEGMENT_NAME_RE = re.compile(r"^mw\.([1-9][0-9]{0,9})\.([0-9]{1,20})\.([0-9a-f]{32})$")
+
+_UNPACK_LIMITS = dict(
+    max_str_len=MAX_HEADER_BYTES,
+    max_bin_len=MAX_ID_BYTES,
+    max_array_len=4 * MAX_TENSORS,
+    max_map_len=4 * MAX_TENSORS,
+    max_ext_len=0,
+    raw=False,
+    strict_map_key=True,
+    use_list=True,
+)
+
+
+class ProtocolError(Exception):
+    """A message we cannot accept; ``code`` is one of ERROR_CODES."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def bad(message: str) -> ProtocolError:
+    return ProtocolError(BAD_REQUEST, message)
+
+
+# -- framing ------------------------------------------------------------------------------------
+
+
+def pack(header: dict) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def unpack_header(buf) -> dict:
+    """Decode one header frame with hard limits; never trusts its size or shape."""
+    if len(buf) > MAX_HEADER_BYTES:
+        raise bad(f"header frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(buf, **_UNPACK_LIMITS)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise bad(f"header is not valid msgpack ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise bad("header must be a msgpack map")
+    return header
+
+
+@dataclass(slots=True)
+class Envelope:
+    """A ROUTER-side message split into its parts; ``route`` is what a reply is sent back to."""
+
+    route: list
+    header: Any  # the raw header frame
+    payload: list
+
+
+def split_router_message(frames: list) -> Envelope:
+    """[routing-id, ("")?, SIGNATURE, header, payload...] -> Envelope, or ProtocolError.
+
+    On error the caller still replies to ``frames[0]`` (and the delimiter, if any).
+    """
+    route_len = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
+    body = frames[route_len:]
+    if len(body) < 2:
+        raise bad("expected signature and header frames")
+    if bytes(body[0]) != SIGNATURE:
+        raise bad("bad signature frame: expected b'MWP1'")
+    return Envelope(frames[:route_len], body[1], body[2:])
+
+
+def reply_route(frames: list) -> list:
+    """The routing prefix of a (possibly malformed) ROUTER message: id, plus delimiter if sent."""
+    return frames[:2] if len(frames) > 1 and len(frames[1]) == 0 else frames[:1]
+
+
+def error_header(request_id: Any, code: str, message: str) -> dict:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+
+
+# -- header fields ------------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # bool is an int subclass: reject it explicitly
+
+
+def request_id_of(header: dict) -> Any:
+    """The client's id if it is usable, else None (replies still go out, with a null id)."""
+    rid = header.get("id")
+    if _is_int(rid) and -MAX_INT <= rid <= MAX_INT:
+        return rid
+    if isinstance(rid, str) and len(rid.encode()) <= MAX_ID_BYTES:
+        return rid
+    return None
+
+
+def require_id(header: dict) -> Any:
+    rid = request_id_of(header)
+    if rid is None:
+        raise bad("'id' must be an int or a str of at most 128 bytes")
+    return rid
+
+
+def require_str(header: dict, key: str, max_bytes: int = MAX_NAME_BYTES) -> str:
+    value = header.get(key)
+    if not isinstance(value, str) or not value or len(value.encode()) > max_bytes:
+        raise bad(f"'{key}' must be a non-empty string of at most {max_bytes} bytes")
+    return value
+
+
+def require_uint(value: Any, what: str, limit: int = MAX_INT) -> int:
+    if not _is_int(value) or value < 0 or value > limit:
+        raise bad(f"{what} must be an integer in [0, {limit}]")
+    return value
+
+
+# -- tensors ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, frozen=True)
+class TensorDesc:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    frame: int | None = None
+    shm: tuple[str, int, int] | None = None  # (segment, offset, nbytes)
+
+    def to_wire(self) -> dict:
+        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
+        if self.shm is not None:
+            out["shm"] = list(self.shm)
+        else:
+            out["frame"] = self.frame
+        return out
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """prod(shape) * itemsize, refusing anything above MAX_TENSOR_BYTES at every step."""
+    total = DTYPES[dtype]
+    for dim in shape:
+        total *= dim
+        if total > MAX_TENSOR_BYTES:
+            raise bad(f"tensor of shape {list(shape)} and dtype {dtype} exceeds {MAX_TENSOR_BYTES} bytes")
+    return total
+
+
+def parse_shape(value: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_DIMS:
+        raise bad(f"{what}: 'shape' must be a list of at most {MAX_DIMS} ints")
+    return tuple(require_uint(dim, f"{what}: every dimension", MAX_TENSOR_BYTES) for dim in value)
+
+
+def parse_segment_name(value: Any, what: str) -> str:
+    # The message never echoes the name: errors about segments must not leak names (Triton CVEs).
+    if not isinstance(value, str) or not SEGMENT_NAME_RE.match(value):
+        raise bad(f"{what}: segment name is not a modelwarden client segment")
+    return value
+
+
+def parse_region(value: Any, what: str) -> tuple[str, int, int]:
+    if not isinstance(value, list) or len(value) != 3:
+        raise bad(f"{what}: a region is [segment, offset, nbytes]")
+    name = parse_segment_name(value[0], what)
+    offset = require_uint(value[1], f"{what}: offset")
+    nbytes = require_uint(value[2], f"{what}: nbytes")
+    return name, offset, nbytes
+
+
+def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
+    what = f"tensor {index}"
+    if not isinstance(value, dict):
+        raise bad(f"{what}: descriptor must be a map")
+    dtype = value.get("dtype")
+    if dtype not in DTYPES:
+        raise bad(f"{what}: unknown dtype {str(dtype)[:32]!r}; known: {', '.join(DTYPES)}")
+    shape = parse_shape(value.get("shape"), what)
+    nbytes = tensor_nbytes(dtype, shape)
+    has_frame, has_shm = "frame" in value, "shm" in value
+    if has_frame == has_shm:
+        raise bad(f"{what}: exactly one of 'frame' and 'shm' is required")
+    if has_frame:
+        if value["frame"] != next_frame or not _is_int(value["frame"]):
+            raise bad(f"{what}: inline tensors must number their frames 0, 1, 2... in order")
+        return TensorDesc(dtype, shape, nbytes, frame=next_frame)
+    region = parse_region(value["shm"], what)
+    if region[2] != nbytes:
+        raise bad(f"{what}: region holds {region[2]} bytes but dtype x shape needs {nbytes}")
+    return TensorDesc(dtype, shape, nbytes, shm=region)
+
+
+def parse_tensors(value: Any) -> list[TensorDesc]:
+    if not isinstance(value, list) or len(value) > MAX_TENSORS:
+        raise bad(f"'tensors' must be a list of at most {MAX_TENSORS} descriptors")
+    descs: list[TensorDesc] = []
+    next_frame = 0
+    for index, item in enumerate(value):
+        desc = parse_tensor_desc(item, index, next_frame)
+        if desc.frame is not None:
+            next_frame += 1
+        descs.append(desc)
+    return descs
+
+
+def check_tree(tree: Any, n_tensors: int) -> None:
+    """TREE must use every tensor index exactly once, within the depth limit."""
+    seen: set[int] = set()
+    _walk_tree(tree, n_tensors, seen, 0)
+    if len(seen) != n_tensors:
+        raise bad(f"'inputs' uses {len(seen)} of {n_tensors} tensors; every tensor exactly once")
+
+
+def _walk_tree(node: Any, n_tensors: int, seen: set[int], depth: int) -> None:
+    if depth > MAX_TREE_DEPTH:
+        raise bad(f"tensor tree nests deeper than {MAX_TREE_DEPTH}")
+    if _is_int(node):
+        if not 0 <= node < n_tensors or node in seen:
+            raise bad("tensor tree refers to a missing or repeated tensor index")
+        seen.add(node)
+    elif isinstance(node, list):
+        for child in node:
+            _walk_tree(child, n_tensors, seen, depth + 1)
+    elif isinstance(node, dict) and len(node) == 1 and isinstance(node.get("tuple"), list):
+        for child in node["tuple"]:
+            _walk_tree(child, n_tensors, seen, depth + 1)
+    elif isinstance(node, dict) and len(node) == 1 and isinstance(node.get("dict"), dict):
+        for key, child in node["dict"].items():
+            if not isinstance(key, str) or len(key.encode()) > MAX_NAME_BYTES:
+                raise bad("tensor names must be strings of at most 256 bytes")
+            _walk_tree(child, n_tensors, seen, depth + 1)
+    else:
+        raise bad("tensor tree nodes are ints, lists, {'tuple': [...]} or {'dict': {...}}")
+
+
+@dataclass(slots=True)
+class InferRequest:
+    id: Any
+    model: str
+    tree: Any
+    tensors: list[TensorDesc]
+    timeout_ms: int | None
+    out: tuple[str, int, int] | None
+
+    def segments(self) -> set[str]:
+        names = {desc.shm[0] for desc in self.tensors if desc.shm is not None}
+        if self.out is not None:
+            names.add(self.out[0])
+        return names
+
+
+def parse_infer(header: dict, n_frames: int) -> InferRequest:
+    """Validate an ``infer`` header against the payload frame count; no payload is read."""
+    rid = require_id(header)
+    model = require_str(header, "model")
+    tensors = parse_tensors(header.get("tensors"))
+    check_tree(header.get("inputs"), len(tensors))
+    inline = sum(1 for desc in tensors if desc.frame is not None)
+    if inline != n_frames:
+        raise bad(f"{inline} inline tensors but {n_frames} payload frames")
+    timeout_ms = header.get("timeout_ms")
+    if timeout_ms is not None:
+        timeout_ms = require_uint(timeout_ms, "'timeout_ms'", 7 * 24 * 3600 * 1000)
+    out = header.get("out")
+    if out is not None:
+        out = parse_region(out, "'out'")
+    return InferRequest(rid, model, header.get("inputs"), tensors, timeout_ms, out)
+
+
+def parse_segment_list(header: dict, with_sizes: bool) -> list:
+    items = header.get("segments")
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_SEGMENTS_PER_MESSAGE:
+        raise bad(f"'segments' must list 1 to {MAX_SEGMENTS_PER_MESSAGE} segments")
+    if not with_sizes:
+        return [parse_segment_name(item, "segment") for item in items]
+    parsed = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 2:
+            raise bad("register: each segment is [name, size]")
+        parsed.append((parse_segment_name(item[0], "segment"), require_uint(item[1], "segment size")))
+    return parsed
+
+
+def segment_owner(name: str) -> tuple[int, int]:
+    """(pid, start time in clock ticks) of the process that created a segment."""
+    match = SEGMENT_NAME_RE.match(name)
+    if match is None:
+        raise bad("segment name is not a modelwarden client segment")
+    return int(match.group(1)), int(match.group(2))
+
+
+def frame_lengths_match(tensors: list[TensorDesc], payload: list) -> None:
+    """An inline frame must hold exactly dtype x shape bytes: checked by length, never read."""
+    for desc in tensors:
+        if desc.frame is not None and len(payload[desc.frame]) != desc.nbytes:
+            raise bad(
+                f"frame {desc.frame} holds {len(payload[desc.frame])} bytes but "
+                f"{desc.dtype}{list(desc.shape)} needs {desc.nbytes}"
+            )
+
+
+def finite_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"{what} must be a finite number")
+    return float(value)

@@ -1,0 +1,1 @@
+"""The modelwarden daemon: one poll loop supervising pinned, probed worker processes."""

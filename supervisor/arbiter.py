@@ -1,0 +1,498 @@
+"""The supervisor's loop: one ``poll()`` per pass, its timeout the nearest deadline.
+
+Everything that happens is an event on the poller: a client message (frontend ROUTERs), a worker
+message (backend ROUTER), a control command (control ROUTER), a signal (the wakeup socket that
+``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
+request deadlines, backoff restarts, kill escalation, the health tick, the shared-memory sweep --
+set the poll timeout, from ``time.monotonic()``. Signal handlers only record; the loop turns
+signals into the same commands the control socket takes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import grp
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import zmq
+
+from shared import __version__, protocol, shm
+from shared.config import ModelConfig, Settings, WorkerSpec
+from shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
+from shared.states import WorkerState
+from supervisor.commands import COMMANDS
+from supervisor.handle import WorkerHandle
+from supervisor.placement import SlotPlacement, plan
+from supervisor.pool import ModelPool
+from supervisor.probes import ProbeJudge, load_golden
+from supervisor.router import Router
+from supervisor.segments import SegmentRegistry
+from supervisor.systemd import Notifier
+from supervisor.timers import Timers
+from worker import main as worker_main
+
+logger = logging.getLogger(__name__)
+
+TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
+BATCH = 256  # messages taken from one socket per pass, so no socket starves the others
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
+
+
+class DaemonError(RuntimeError):
+    """The daemon cannot start (runtime directory, lock, endpoints)."""
+
+
+class Arbiter:
+    def __init__(self, settings: Settings, placements: dict[str, list[SlotPlacement]] | None = None):
+        self.settings = settings
+        self.clock = time.monotonic
+        self.timers = Timers()
+        self.router = Router(self)
+        self.registry = SegmentRegistry(self.own_pids)
+        self.notifier = Notifier()
+        placements = placements or plan(settings)
+        self.pools: dict[str, ModelPool] = {
+            model.name: ModelPool(model, placements[model.name], self, self._judge_for(model))
+            for model in settings.models}
+        self.pid = os.getpid()
+        self.started_at = self.clock()
+        self.stopping = False
+        self._stop_deadline: float | None = None
+        self._workers_told_to_stop = False
+        self._by_identity: dict[bytes, WorkerHandle] = {}
+        self._by_sentinel: dict[int, WorkerHandle] = {}
+        self._handlers: dict = {}
+        self._spawn = multiprocessing.get_context("spawn")
+        self._lock_file = None
+        self.context = zmq.Context()
+        self.poller = zmq.Poller()
+        self.frontends: list[zmq.Socket] = []
+        self._frontend_is_ipc: list[bool] = []
+        self.backend: zmq.Socket | None = None
+        self.control: zmq.Socket | None = None
+        self._wakeup_read, self._wakeup_write = socket.socketpair()
+
+    def _judge_for(self, model: ModelConfig) -> ProbeJudge:
+        golden = model.probe.golden
+        return ProbeJudge(model.probe, load_golden(self.settings.resolve(golden)) if golden else None)
+
+    # -- life -------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        self._prepare_runtime_dir()
+        removed = shm.sweep_orphans()
+        if removed:
+            logger.info("removed %d shared-memory segment(s) left by dead clients", len(removed))
+        self._bind()
+        self._install_signal_handlers()
+        now = self.clock()
+        self.timers.call_at(now + TICK, self._tick)
+        self.timers.call_at(now + self.settings.daemon.shm_sweep_interval, self._sweep)
+        if self.notifier.watchdog_interval:
+            self.timers.call_at(now, self._watchdog)
+        for pool in self.pools.values():
+            pool.start_all()
+        logger.info("modelwarden %s serving %s on %s (control %s)", __version__,
+                    ", ".join(self.pools) or "no models", " ".join(self.settings.frontends),
+                    self.settings.control_endpoint)
+        self.notifier.ready(self._summary())
+        try:
+            self._loop()
+        finally:
+            self._close()
+        logger.info("stopped")
+        return 0
+
+    def _loop(self) -> None:
+        while not (self.stopping and not self._by_sentinel):
+            due = self.timers.next_due()
+            timeout = None if due is None else max(0, math.ceil((due - self.clock()) * 1000))
+            for item, _ in self.poller.poll(timeout):
+                handler = self._handlers.get(item)
+                if handler is not None:
+                    self._guarded(handler)
+            self.timers.run_due(self.clock())
+
+    @staticmethod
+    def _guarded(handler) -> None:
+        # A bug in one handler must not take the daemon down: log it and carry on.
+        try:
+            handler()
+        except Exception:
+            logger.exception("unexpected error in %s", getattr(handler, "__name__", handler))
+
+    def _prepare_runtime_dir(self) -> None:
+        runtime = self.settings.runtime_dir
+        group = self.settings.daemon.shm_group
+        try:
+            runtime.mkdir(parents=True, exist_ok=True)
+            os.chmod(runtime, 0o770 if group else 0o700)
+            if group:
+                os.chown(runtime, -1, grp.getgrnam(group).gr_gid)
+            self._lock_file = open(runtime / "modelwarden.pid", "a+")
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock_file.seek(0)
+            other = self._lock_file.read().strip() or "?"
+            raise DaemonError(f"another modelwarden daemon (pid {other}) uses {runtime}") from None
+        except (OSError, KeyError) as exc:
+            raise DaemonError(f"cannot prepare runtime directory {runtime}: {exc}") from None
+        self._lock_file.seek(0)
+        self._lock_file.truncate()
+        self._lock_file.write(f"{os.getpid()}\n")
+        self._lock_file.flush()
+
+    def _bind(self) -> None:
+        daemon = self.settings.daemon
+        old_umask = os.umask(0o007 if daemon.shm_group else 0o077)
+        try:
+            for index, endpoint in enumerate(self.settings.frontends):
+                sock = self._router_socket(endpoint, client_facing=True)
+                self.frontends.append(sock)
+                self._frontend_is_ipc.append(endpoint.startswith("ipc://"))
+                self._on(sock, functools.partial(self._on_frontend, index))
+            self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
+            self._on(self.control, self._on_control)
+            self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False)
+            self._on(self.backend, self._on_backend)
+        finally:
+            os.umask(old_umask)
+
+    def _router_socket(self, endpoint: str, client_facing: bool) -> zmq.Socket:
+        sock = self.context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        if client_facing:
+            sock.setsockopt(zmq.MAXMSGSIZE, self.settings.daemon.max_message_bytes)
+            sock.setsockopt(zmq.SNDHWM, FRONTEND_HWM)
+            sock.setsockopt(zmq.RCVHWM, FRONTEND_HWM)
+        else:
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        if endpoint.startswith("ipc://"):
+            Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise DaemonError(f"cannot bind {endpoint}: {exc}") from None
+        return sock
+
+    def _on(self, item, handler) -> None:
+        self.poller.register(item, zmq.POLLIN)
+        self._handlers[item] = handler
+
+    def _off(self, item) -> None:
+        self.poller.unregister(item)
+        self._handlers.pop(item, None)
+
+    def _install_signal_handlers(self) -> None:
+        self._wakeup_read.setblocking(False)
+        self._wakeup_write.setblocking(False)
+        signal.set_wakeup_fd(self._wakeup_write.fileno(), warn_on_full_buffer=False)
+        for signum in (*STOP_SIGNALS, signal.SIGHUP):
+            # The C-level handler writes the signal number to the wakeup socket: that is the
+            # record. The Python handler exists only to replace the default action.
+            signal.signal(signum, lambda *_: None)
+        self._on(self._wakeup_read.fileno(), self._on_signal)
+
+    def _close(self) -> None:
+        for handle in list(self._by_sentinel.values()):
+            handle.signal(signal.SIGKILL)
+            handle.process.join(5)
+            handle.exitcode = handle.process.exitcode
+        signal.set_wakeup_fd(-1)
+        for sock in (*self.frontends, self.control, self.backend):
+            if sock is not None:
+                sock.close()
+        self.context.term()
+        if self._lock_file is not None:
+            self._lock_file.close()
+
+    def _summary(self) -> str:
+        ready = sum(pool.ready_count() for pool in self.pools.values())
+        total = sum(len(pool.slots) for pool in self.pools.values())
+        return f"{ready}/{total} workers ready"
+
+    # -- events -----------------------------------------------------------------------------
+
+    def _on_signal(self) -> None:
+        try:
+            data = self._wakeup_read.recv(64)
+        except BlockingIOError:
+            return
+        for signum in data:
+            if signum in STOP_SIGNALS:
+                self.request_stop(signal.Signals(signum).name)
+            elif signum == signal.SIGHUP:
+                logger.info("SIGHUP: rolling restart of every model")
+                self.restart(None)
+
+    def _on_frontend(self, index: int) -> None:
+        sock = self.frontends[index]
+        for _ in range(BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._frontend_message(index, sock, frames)
+            except Exception:
+                logger.exception("error handling a client message")
+                self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
+                                       "internal error; see the daemon's log")
+
+    def _frontend_message(self, index: int, sock: zmq.Socket, frames: list) -> None:
+        try:
+            envelope = protocol.split_router_message(frames)
+            header = protocol.unpack_header(envelope.header.buffer)
+        except ProtocolError as exc:
+            self.router.send_error(sock, protocol.reply_route(frames), None, exc.code, exc.message)
+            return
+        kind = header.get("type")
+        if kind == "infer":
+            self.router.accept_infer(sock, (index, frames[0].bytes), envelope, header)
+            return
+        request_id = protocol.request_id_of(header)
+        try:
+            if kind == "hello":
+                reply = self._hello(index)
+            elif kind == "register":
+                self._require_shm(index)
+                self.registry.register((index, frames[0].bytes), protocol.parse_segment_list(header, True))
+                reply = {}
+            elif kind == "unregister":
+                names = protocol.parse_segment_list(header, False)
+                self._unmap(self.registry.unregister((index, frames[0].bytes), names))
+                reply = {}
+            else:
+                raise ProtocolError(BAD_REQUEST, f"unknown request type {str(kind)[:32]!r}")
+        except ProtocolError as exc:
+            self.router.send_error(sock, envelope.route, request_id, exc.code, exc.message)
+            return
+        reply.update(id=request_id, ok=True)
+        sock.send_multipart([*envelope.route, SIGNATURE, protocol.pack(reply)])
+
+    def _require_shm(self, index: int) -> None:
+        if not (self.settings.daemon.shm and self._frontend_is_ipc[index]):
+            raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
+                                "with daemon.shm = true")
+
+    def _hello(self, index: int) -> dict:
+        daemon = self.settings.daemon
+        return {"protocol": protocol.PROTOCOL_VERSION, "version": __version__,
+                "models": [{"name": pool.name, "workers": len(pool.slots),
+                            "inputs": [spec.model_dump() for spec in pool.config.inputs or []]}
+                           for pool in self.pools.values()],
+                "shm": {"enabled": daemon.shm and self._frontend_is_ipc[index],
+                        "threshold": daemon.shm_threshold, "group": daemon.shm_group},
+                "max_message_bytes": daemon.max_message_bytes}
+
+    def _on_control(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._control_message(frames)
+
+    def _control_message(self, frames: list) -> None:
+        request_id = None
+        try:
+            envelope = protocol.split_router_message(frames)
+            header = protocol.unpack_header(envelope.header.buffer)
+            request_id = protocol.request_id_of(header)
+            command = COMMANDS.get(header.get("type"))
+            if command is None:
+                raise ProtocolError(BAD_REQUEST, f"unknown command; known: {', '.join(COMMANDS)}")
+            reply = command.execute(self, header)
+            reply.update(id=request_id, ok=True)
+        except ProtocolError as exc:
+            reply = protocol.error_header(request_id, exc.code, exc.message)
+        self.control.send_multipart([*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
+
+    def _on_backend(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._worker_message(frames)
+
+    def _worker_message(self, frames: list) -> None:
+        handle = self._by_identity.get(frames[0].bytes)
+        if handle is None or len(frames) < 3 or frames[1].bytes != SIGNATURE:
+            logger.warning("dropping a backend message from an unknown or malformed sender")
+            return
+        try:
+            header = protocol.unpack_header(frames[2].buffer)
+        except ProtocolError as exc:
+            logger.error("%s sent an unreadable header: %s", handle.worker_id, exc.message)
+            return
+        if not handle.alive:
+            return  # declared dead (hung, timed out): whatever it says now is too late
+        handle.last_seen = self.clock()
+        pool = self.pools[handle.spec.model.name]
+        kind = header.get("type")
+        if kind == "result":
+            self.router.on_result(pool, handle, header, frames[3:])
+        elif kind == "heartbeat":
+            handle.cuda_bytes = header.get("cuda_bytes")
+        elif kind == "state":
+            pool.on_worker_state(handle, header.get("state"), header.get("info") or {})
+            self.notifier.status(self._summary())
+        elif kind == "failed":
+            handle.failure = f"{header.get('stage')}: {header.get('message')}"
+            pool.slot_of(handle).failure = handle.failure
+        else:
+            logger.warning("%s sent an unknown message type %r", handle.worker_id, kind)
+
+    def _on_sentinel(self, handle: WorkerHandle) -> None:
+        process = handle.process
+        process.join(5)  # the sentinel fired: it has exited or is about to be reapable
+        if process.exitcode is None:
+            logger.error("%s pid %s closed its sentinel but did not exit; killing",
+                         handle.worker_id, handle.pid)
+            handle.signal(signal.SIGKILL)
+            process.join()
+        handle.exitcode = process.exitcode
+        self._off(handle.sentinel)
+        self._by_sentinel.pop(handle.sentinel, None)
+        process.close()  # frees the sentinel fd: a long-lived daemon restarts many workers
+        self._by_identity.pop(handle.identity, None)
+        self.pools[handle.spec.model.name].on_exit(handle)
+        self.notifier.status(self._summary())
+
+    # -- timers -----------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        now = self.clock()
+        for pool in self.pools.values():
+            pool.tick(now)
+            self.router.dispatch(pool)  # probes may have come due
+        if self.stopping:
+            self._shutdown_step(now)
+        self.timers.call_at(now + TICK, self._tick)
+
+    def _sweep(self) -> None:
+        gone = shm.sweep_orphans() + self.registry.dead_registrations()
+        if gone:
+            self.registry.forget(gone)
+            self._unmap(gone)
+        self.timers.call_at(self.clock() + self.settings.daemon.shm_sweep_interval, self._sweep)
+
+    def _unmap(self, names: list[str]) -> None:
+        if not names:
+            return
+        message = protocol.pack({"type": "unmap", "segments": names})
+        for handle in self._by_identity.values():
+            if handle.state == WorkerState.READY or handle.state == WorkerState.DRAINING:
+                self.backend.send_multipart([handle.identity, SIGNATURE, message])
+
+    def _watchdog(self) -> None:
+        self.notifier.watchdog()
+        self.timers.call_at(self.clock() + self.notifier.watchdog_interval, self._watchdog)
+
+    # -- what pools and commands call -------------------------------------------------------
+
+    def own_pids(self) -> set[int]:
+        return {self.pid, *(handle.pid for handle in self._by_sentinel.values() if handle.pid)}
+
+    def worker_spec(self, config: ModelConfig, slot: int, generation: int,
+                    placement: SlotPlacement) -> WorkerSpec:
+        daemon = self.settings.daemon
+        python_path = [os.getcwd()] + [str(self.settings.resolve(p)) for p in daemon.python_path]
+        return WorkerSpec(model=config, slot=slot, generation=generation, cores=placement.cores,
+                          threads=placement.threads, device=placement.device,
+                          backend=self.settings.backend_endpoint, supervisor_pid=self.pid,
+                          base_dir=str(self.settings.base_dir), python_path=python_path,
+                          heartbeat_interval=daemon.heartbeat_interval,
+                          shm_threshold=daemon.shm_threshold, log_level=daemon.log_level,
+                          log_format=daemon.log_format)
+
+    def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:
+        process = self._spawn.Process(target=worker_main.run, args=(spec,),
+                                      name=f"modelwarden worker {spec.worker_id}")
+        process.start()
+        now = self.clock()
+        handle = WorkerHandle(spec, process, process.pid, process.sentinel, started_at=now,
+                              on_state=on_state, last_seen=now)
+        self._by_identity[spec.identity] = handle
+        self._by_sentinel[process.sentinel] = handle
+        self._on(process.sentinel, functools.partial(self._on_sentinel, handle))
+        logger.info("%s: spawned pid %d on %s", spec.worker_id, process.pid, spec.placement)
+        return handle
+
+    def send_stop(self, handle: WorkerHandle) -> None:
+        self.backend.send_multipart([handle.identity, SIGNATURE, protocol.pack({"type": "stop"})])
+
+    def dispatch(self, pool: ModelPool) -> None:
+        self.router.dispatch(pool)
+
+    def recover_requests(self, pool: ModelPool, handle: WorkerHandle) -> None:
+        self.router.recover(pool, handle)
+
+    def on_slot_fatal(self, pool: ModelPool) -> None:
+        if pool.all_fatal():
+            self.router.fail_queue(pool, NO_WORKER, f"every worker of {pool.name!r} is FATAL")
+
+    def restart(self, target: str | None) -> list[str]:
+        if self.stopping:
+            raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+        pools = list(self.pools.values())
+        if target is not None:
+            name = target.split("#")[0]
+            if name not in self.pools:
+                raise ProtocolError(BAD_REQUEST, f"no model or worker named {target!r}")
+            pools = [self.pools[name]]
+        restarted = []
+        for pool in pools:
+            slots = None if target is None or "#" not in target else target.split("#")[1]
+            restarted += [name for name in pool.restart() if slots is None or name == target]
+        return restarted
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        now = self.clock()
+        if self.stopping:
+            logger.warning("%s again: stopping now", reason)
+            self._stop_deadline = now
+            self._shutdown_step(now)
+            return
+        logger.info("%s: draining, then stopping (at most %.0fs)", reason,
+                    self.settings.daemon.graceful_timeout)
+        self.stopping = True
+        self.notifier.stopping()
+        self._stop_deadline = now + self.settings.daemon.graceful_timeout
+        self._shutdown_step(now)
+
+    def _shutdown_step(self, now: float) -> None:
+        """Serve what was accepted; then (or at the deadline) stop every worker."""
+        if self._stop_deadline is not None and now >= self._stop_deadline:
+            self.router.fail_everything(SHUTTING_DOWN, "the daemon stopped before answering")
+            for pool in self.pools.values():
+                for handle in pool.handles():
+                    if handle.alive:
+                        pool.terminate(handle, "shutdown deadline")
+            self._stop_deadline = None
+            return
+        if self.router.pending or self._workers_told_to_stop:
+            return
+        self._workers_told_to_stop = True
+        for pool in self.pools.values():
+            for slot in pool.slots:
+                self.timers.cancel(slot.backoff_timer)
+            for handle in pool.handles():
+                if handle.state == WorkerState.READY:
+                    pool.drain(handle, "shutdown")
+                elif handle.alive and handle.state != WorkerState.DRAINING:
+                    pool.terminate(handle, "shutdown")

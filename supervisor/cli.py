@@ -1,0 +1,223 @@
+"""``modelwarden``: serve models, and talk to a running daemon.
+
+Heavy imports (torch, the arbiter) happen inside the commands that need them: spawn imports this
+module again in every worker, which must stay light and must not import torch before pinning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXIT_CONFIG = 2
+EXIT_RUNTIME = 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_CONFIG
+    return args.func(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="modelwarden",
+        description="Serve PyTorch models from isolated, pinned, probed worker processes.")
+    parser.add_argument("--version", action="version", version=f"modelwarden {_version()}")
+    commands = parser.add_subparsers(metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the daemon in the foreground")
+    _add_config(serve)
+    serve.add_argument("--check", action="store_true",
+                       help="validate the configuration and placement, print the plan, and exit")
+    serve.set_defaults(func=cmd_serve)
+
+    status = commands.add_parser(
+        "status", help="show every worker; exit 0 all READY, 1 degraded, 3 unreachable")
+    _add_config(status)
+    _add_control(status)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=cmd_control, command="status")
+
+    restart = commands.add_parser(
+        "restart", help="revive FATAL workers and replace live ones (replace before retire)")
+    _add_config(restart)
+    _add_control(restart)
+    restart.add_argument("target", nargs="?", help="a model name or a worker id (mlp#0); all if absent")
+    restart.add_argument("--json", action="store_true", help="print the reply as JSON")
+    restart.set_defaults(func=cmd_control, command="restart")
+
+    stop = commands.add_parser("stop", help="drain in-flight requests and stop the daemon")
+    _add_config(stop)
+    _add_control(stop)
+    stop.add_argument("--json", action="store_true", help="print the reply as JSON")
+    stop.set_defaults(func=cmd_control, command="stop")
+
+    infer = commands.add_parser("infer", help="send one request: inputs from .npy/.npz files")
+    _add_config(infer)
+    infer.add_argument("model", help="model name")
+    infer.add_argument("--input", "-i", action="append", required=True, metavar="FILE",
+                       help=".npy (one tensor; repeat for several positional inputs) or .npz "
+                            "(named inputs)")
+    infer.add_argument("--output", "-o", metavar="FILE",
+                       help="write outputs to .npy (one tensor) or .npz (several)")
+    infer.add_argument("--endpoint", help="frontend endpoint (default: MODELWARDEN_ENDPOINT, "
+                                          "the config's first frontend, or the local daemon)")
+    infer.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    infer.set_defaults(func=cmd_infer)
+    return parser
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", metavar="PATH",
+                        help="TOML configuration (default: $MODELWARDEN_CONFIG)")
+
+
+def _add_control(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--control", metavar="ENDPOINT",
+                        help="control endpoint (default: from the configuration)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
+
+
+def _version() -> str:
+    from shared import __version__
+
+    return __version__
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"modelwarden: {message}", file=sys.stderr)
+    return code
+
+
+def _settings(args):
+    """The configuration, or a one-line error and exit code 2 (raised as SystemExit)."""
+    from shared.config import ConfigError, load_settings
+
+    try:
+        return load_settings(args.config)
+    except ConfigError as exc:
+        raise SystemExit(_fail(f"config error: {exc}", EXIT_CONFIG)) from None
+
+
+def cmd_serve(args) -> int:
+    from shared.config import ConfigError, format_cores
+    from supervisor import placement
+
+    settings = _settings(args)
+    try:
+        plan = placement.plan(settings)
+    except ConfigError as exc:
+        return _fail(f"config error: {exc}", EXIT_CONFIG)
+    if args.check:
+        for model, slots in plan.items():
+            for index, slot in enumerate(slots):
+                where = slot.device if slot.device != "cpu" else f"cpu[{format_cores(slot.cores)}]"
+                print(f"{model}#{index}: {where}, {slot.threads} thread(s)")
+        return 0
+    return _run_daemon(settings, plan)
+
+
+def _run_daemon(settings, plan) -> int:
+    from shared.logs import setup_logging
+    from supervisor.arbiter import Arbiter, DaemonError
+
+    setup_logging("supervisor", settings.daemon.log_level, settings.daemon.log_format)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle("modelwarden: supervisor")
+    except ImportError:
+        pass
+    for entry in settings.daemon.python_path:
+        sys.path.insert(0, str(settings.resolve(entry)))
+    try:
+        return Arbiter(settings, plan).run()
+    except DaemonError as exc:
+        return _fail(str(exc), EXIT_RUNTIME)
+
+
+def cmd_control(args) -> int:
+    from shared.client import RemoteError, Timeout, control_request
+    from supervisor.commands import COMMANDS, EXIT_UNREACHABLE
+
+    endpoint = args.control or _settings(args).control_endpoint
+    header = {"type": args.command}
+    if getattr(args, "target", None):
+        header["target"] = args.target
+    try:
+        reply = control_request(endpoint, header, args.timeout)
+    except Timeout:
+        return _fail(f"no daemon answers at {endpoint}", EXIT_UNREACHABLE)
+    except RemoteError as exc:
+        return _fail(str(exc), EXIT_RUNTIME)
+    text, code = COMMANDS[args.command].render(reply, args.json)
+    print(text)
+    return code
+
+
+def cmd_infer(args) -> int:
+    import numpy as np
+
+    from shared.client import Client, RemoteError
+
+    endpoint = args.endpoint
+    if endpoint is None and args.config:
+        endpoint = _settings(args).frontends[0]
+    inputs = _read_inputs(args.input)
+    try:
+        with Client(endpoint, timeout=args.timeout, copy_outputs=True) as client:
+            reply = client.infer(args.model, inputs, details=True)
+    except RemoteError as exc:
+        return _fail(str(exc), EXIT_RUNTIME)
+    outputs = _leaves(reply.outputs)
+    for name, value in outputs.items():
+        array = np.asarray(value if isinstance(value, np.ndarray) else value.float().numpy())
+        print(f"{name}: {value.dtype} {list(value.shape)} {np.array2string(array.ravel()[:8], precision=4)}"
+              f"{' ...' if array.size > 8 else ''}")
+    print(f"worker {reply.worker}  total {reply.timing.get('total_us')}us "
+          f"(queue {reply.timing.get('queue_us')}us, compute {reply.timing.get('compute_us')}us)")
+    if args.output:
+        _write_outputs(args.output, outputs)
+    return 0
+
+
+def _read_inputs(paths: list[str]):
+    import numpy as np
+
+    if len(paths) == 1 and paths[0].endswith(".npz"):
+        with np.load(paths[0], allow_pickle=False) as archive:
+            return {key: archive[key] for key in archive.files}
+    arrays = [np.load(path, allow_pickle=False) for path in paths]
+    return arrays[0] if len(arrays) == 1 else arrays
+
+
+def _leaves(value, prefix: str = "output") -> dict:
+    if isinstance(value, dict):
+        return {f"{key}": leaf for key, item in value.items() for key, leaf in _leaves(item, key).items()}
+    if isinstance(value, (list, tuple)):
+        out = {}
+        for index, item in enumerate(value):
+            out.update(_leaves(item, f"{prefix}_{index}"))
+        return out
+    return {prefix: value}
+
+
+def _write_outputs(path: str, outputs: dict) -> None:
+    import numpy as np
+
+    arrays = {name: value if isinstance(value, np.ndarray) else value.float().numpy()
+              if str(value.dtype) == "torch.bfloat16" else value.numpy() for name, value in outputs.items()}
+    if path.endswith(".npz"):
+        np.savez(path, **arrays)
+    elif len(arrays) == 1:
+        np.save(path, next(iter(arrays.values())))
+    else:
+        raise SystemExit(_fail(f"{len(arrays)} outputs: use an .npz file for --output", EXIT_RUNTIME))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Control commands. Each class holds both halves of one command, documented once:
+the daemon side (``execute``: header in, reply out) and the CLI side (``render``: reply in,
+text and exit code out). Signals become the same commands (SIGTERM is ``stop``).
+
+Control messages use the frontend framing (see shared.protocol) on the control endpoint:
+  {"type": "status", "id": N}                      -> {"id", "ok", "status": {...}}
+  {"type": "restart", "id": N, "target": "mlp"}    -> {"id", "ok", "restarted": [...]}
+  {"type": "stop", "id": N}                        -> {"id", "ok"}; the daemon then drains and exits
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from shared import __version__
+from shared.config import format_cores
+from shared.protocol import BAD_REQUEST, ProtocolError
+from shared.states import WorkerState
+
+if TYPE_CHECKING:
+    from supervisor.arbiter import Arbiter
+
+EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 3
+
+
+class StatusCommand:
+    """Every worker's health; exit 0 when all models are fully READY, 1 when degraded."""
+
+    name = "status"
+
+    @staticmethod
+    def execute(arbiter: "Arbiter", header: dict) -> dict:
+        return {"status": status_snapshot(arbiter)}
+
+    @staticmethod
+    def render(reply: dict, as_json: bool) -> tuple[str, int]:
+        status = reply["status"]
+        healthy = all(model["ready"] == model["workers"] for model in status["models"])
+        code = EXIT_HEALTHY if healthy else EXIT_DEGRADED
+        return (json.dumps(status, indent=2) if as_json else status_table(status)), code
+
+
+class RestartCommand:
+    """Revive FATAL slots and replace live workers (replace before retire) of a model or worker."""
+
+    name = "restart"
+
+    @staticmethod
+    def execute(arbiter: "Arbiter", header: dict) -> dict:
+        target = header.get("target")
+        if target is not None and not isinstance(target, str):
+            raise ProtocolError(BAD_REQUEST, "'target' must be a model name or a worker id")
+        return {"restarted": arbiter.restart(target)}
+
+    @staticmethod
+    def render(reply: dict, as_json: bool) -> tuple[str, int]:
+        names = reply["restarted"]
+        text = json.dumps(reply) if as_json else (
+            "restarting: " + ", ".join(names) if names else "nothing to restart")
+        return text, 0
+
+
+class StopCommand:
+    """Drain and exit, as SIGTERM does."""
+
+    name = "stop"
+
+    @staticmethod
+    def execute(arbiter: "Arbiter", header: dict) -> dict:
+        arbiter.request_stop("stop command")
+        return {}
+
+    @staticmethod
+    def render(reply: dict, as_json: bool) -> tuple[str, int]:
+        return ("{}" if as_json else "stopping"), 0
+
+
+COMMANDS = {command.name: command for command in (StatusCommand, RestartCommand, StopCommand)}
+
+
+def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
+    now = arbiter.clock()
+    models, workers = [], []
+    for pool in arbiter.pools.values():
+        fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == WorkerState.FATAL]
+        models.append({"name": pool.name, "source": pool.config.source, "workers": len(pool.slots),
+                       "ready": pool.ready_count(), "fatal_slots": fatal, "queued": len(pool.queue),
+                       "golden": pool.judge.golden is not None})
+        for slot in pool.slots:
+            workers.extend(_slot_rows(pool, slot, now))
+    return {"daemon": {"pid": arbiter.pid, "version": __version__,
+                       "uptime_s": round(now - arbiter.started_at, 3),
+                       "endpoints": {"frontend": arbiter.settings.frontends,
+                                     "control": arbiter.settings.control_endpoint},
+                       "stopping": arbiter.stopping, "pending": len(arbiter.router.pending)},
+            "models": models, "workers": workers}
+
+
+def _slot_rows(pool, slot, now: float) -> list[dict]:
+    base = {"id": f"{pool.name}#{slot.index}", "model": pool.name, "restarts": slot.restarts,
+            "last_exit": slot.last_exit, "error": slot.failure,
+            "restart_causes": [{"at": round(at, 3), "cause": cause} for at, cause in slot.causes],
+            "device": slot.placement.device, "cores": slot.placement.cores,
+            "threads": slot.placement.threads}
+    if not slot.handles():
+        return [{**base, **_empty_row(slot, now)}]
+    return [{**base, **_handle_row(handle, now)} for handle in slot.handles()]
+
+
+def _empty_row(slot, now: float) -> dict:
+    return {"state": slot.state.value, "pid": None, "generation": slot.generation, "uptime_s": None,
+            "requests": 0, "errors": 0, "rss_bytes": None, "latency_p50_us": None,
+            "backoff_s": round(slot.backoff_until - now, 3) if slot.backoff_until else None,
+            "probe": None}
+
+
+def _handle_row(handle, now: float) -> dict:
+    probe = handle.probe
+    info = handle.info
+    return {
+        "state": handle.state.value, "pid": handle.pid, "generation": handle.spec.generation,
+        "device": info.get("device", handle.spec.device),
+        "cores": info.get("cores", handle.spec.cores),
+        "threads": info.get("threads", handle.spec.threads),
+        "interop_threads": info.get("interop_threads"),
+        "uptime_s": round(now - handle.started_at, 3),
+        "ready_s": round(now - handle.ready_at, 3) if handle.ready_at else None,
+        "requests": handle.served, "errors": handle.errors, "inflight": len(handle.inflight),
+        "rss_bytes": handle.rss_bytes, "rss_trend_bytes_per_s": handle.rss_trend(),
+        "cuda_bytes": handle.cuda_bytes, "latency_p50_us": handle.latency_p50_us(),
+        "retiring": handle.retiring, "error": handle.failure,
+        "probe": {"last_at": probe.last_at, "ok": probe.last_ok, "reason": probe.last_reason,
+                  "consecutive_failures": probe.consecutive_failures, "drift": probe.drift,
+                  "latency_us": probe.latency_us, "baseline_us": probe.baseline_us},
+    }
+
+
+def status_table(status: dict) -> str:
+    daemon = status["daemon"]
+    lines = [f"modelwarden {daemon['version']}  pid {daemon['pid']}  up {_duration(daemon['uptime_s'])}"
+             f"  frontend {' '.join(daemon['endpoints']['frontend'])}"]
+    for model in status["models"]:
+        fatal = f"  FATAL: {', '.join(model['fatal_slots'])}" if model["fatal_slots"] else ""
+        lines.append(f"model {model['name']}: {model['ready']}/{model['workers']} ready, "
+                     f"{model['queued']} queued{fatal}")
+    header = ("ID", "MODEL", "STATE", "PID", "PLACEMENT", "THR", "UPTIME", "REQS", "ERRS",
+              "RESTARTS", "P50", "RSS", "PROBE")
+    rows = [header] + [_table_row(worker) for worker in status["workers"]]
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines.extend("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
+                 for row in rows)
+    for worker in status["workers"]:
+        if worker.get("error") or (worker["state"] != "READY" and worker.get("last_exit")):
+            lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}; {worker.get('error') or ''}".rstrip("; "))
+    return "\n".join(lines)
+
+
+def _table_row(worker: dict) -> tuple:
+    placement = worker["device"] if str(worker["device"]).startswith("cuda") else (
+        f"cpu[{format_cores(worker['cores'])}]")
+    probe = worker.get("probe") or {}
+    probe_text = "-" if probe.get("ok") is None else ("ok" if probe["ok"] else
+                                                     f"FAIL x{probe['consecutive_failures']}")
+    return (worker["id"], worker["model"], worker["state"], worker["pid"] or "-", placement,
+            worker["threads"], _duration(worker["uptime_s"]), worker["requests"], worker["errors"],
+            worker["restarts"], _micros(worker["latency_p50_us"]), _bytes(worker["rss_bytes"]),
+            probe_text)
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m" if seconds >= 3600 else (
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s")
+
+
+def _micros(value: int | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value / 1000:.1f}ms" if value >= 1000 else f"{value}us"
+
+
+def _bytes(value: int | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return str(value)
+

@@ -1,0 +1,95 @@
+"""Placement planning: which cores, how many threads and which device each worker slot gets.
+
+CPU workers get disjoint core sets carved in order from the cores this process may use
+(``os.sched_getaffinity(0)``), or the explicit ``cores`` lists. A worker never runs more threads
+than it has cores; the threads of all CPU workers together may not exceed the available cores
+unless ``allow_oversubscription`` is set (then it is a warning, and core sets wrap around).
+GPU workers get cores too, for their host-side threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from shared.config import ConfigError, Settings, format_cores
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotPlacement:
+    cores: list[int]
+    threads: int
+    device: str
+
+
+def available_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def plan(settings: Settings, cores: list[int] | None = None) -> dict[str, list[SlotPlacement]]:
+    """Every model's slots, or ConfigError naming the key that cannot be satisfied."""
+    cores = available_cores() if cores is None else cores
+    oversubscribe = settings.daemon.allow_oversubscription
+    cursor = 0
+    used: dict[int, str] = {}
+    placements: dict[str, list[SlotPlacement]] = {}
+    total_threads = 0
+    for index, model in enumerate(settings.models):
+        key = f"models[{index}] (model {model.name!r})"
+        slots = []
+        for slot in range(model.workers):
+            if model.cores is not None:
+                slot_cores = _explicit(model.cores[slot], cores, f"{key}.cores[{slot}]")
+            else:
+                slot_cores, cursor = _carve(model.cores_per_worker or 1, cores, cursor,
+                                            oversubscribe, f"{key}.cores_per_worker")
+            _claim(slot_cores, used, f"{model.name}#{slot}", oversubscribe, f"{key}.cores[{slot}]")
+            threads = model.threads or len(slot_cores)
+            if threads > len(slot_cores):
+                raise ConfigError(f"{key}.threads", f"{threads} threads on {len(slot_cores)} "
+                                  "cores: a worker never runs more threads than it has cores")
+            device = model.device_of(slot)
+            if device == "cpu":
+                total_threads += threads
+            slots.append(SlotPlacement(slot_cores, threads, device))
+        placements[model.name] = slots
+    if total_threads > len(cores):
+        message = (f"CPU workers run {total_threads} threads on {len(cores)} available cores "
+                   f"({format_cores(cores)})")
+        if not oversubscribe:
+            raise ConfigError("daemon.allow_oversubscription",
+                              message + "; lower workers/threads or set allow_oversubscription = true")
+        logger.warning("oversubscribed: %s", message)
+    return placements
+
+
+def _explicit(wanted: list[int], cores: list[int], key: str) -> list[int]:
+    missing = sorted(set(wanted) - set(cores))
+    if missing:
+        raise ConfigError(key, f"cores {format_cores(missing)} are not available "
+                          f"(this process may use {format_cores(cores)})")
+    return sorted(set(wanted))
+
+
+def _carve(count: int, cores: list[int], cursor: int, oversubscribe: bool,
+           key: str) -> tuple[list[int], int]:
+    if count > len(cores):
+        raise ConfigError(key, f"{count} cores per worker but only {len(cores)} available")
+    if cursor + count > len(cores):
+        if not oversubscribe:
+            raise ConfigError(key, f"not enough cores: {len(cores)} available "
+                              f"({format_cores(cores)}); set daemon.allow_oversubscription = true "
+                              "to share cores")
+        cursor = 0
+    return cores[cursor:cursor + count], cursor + count
+
+
+def _claim(slot_cores: list[int], used: dict[int, str], owner: str, oversubscribe: bool,
+           key: str) -> None:
+    for core in slot_cores:
+        if core in used and not oversubscribe:
+            raise ConfigError(key, f"core {core} is already given to {used[core]}")
+        used.setdefault(core, owner)

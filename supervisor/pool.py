@@ -1,0 +1,334 @@
+"""Pool policy for one model: its worker slots, restarts, backoff, FATAL, replacement, routing.
+
+A *slot* is a place for one worker (fixed cores/device); each incarnation on it is a
+WorkerHandle. ``current`` is the incarnation the slot is responsible for; ``previous`` is an old
+one still serving while its replacement boots (replace before retire: capacity never dips).
+
+Restart policy on an exit of ``current``:
+  * a failed start -- never READY, up less than ``start_seconds``, or an exit code saying the
+    model cannot load -- counts; the next start waits ``backoff_initial * 2**(n-1)`` (capped);
+  * after ``max_start_failures`` failed starts in a row the slot is FATAL until a restart command;
+  * any other exit (a crash after a good start) restarts at once and resets the count.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from shared.config import ModelConfig
+from shared.states import BOOTING, STARTUP_FAILURES, WorkerState, check_transition
+from supervisor.handle import WorkerHandle, exit_cause
+from supervisor.placement import SlotPlacement
+from supervisor.probes import ProbeJudge, Verdict
+
+if TYPE_CHECKING:
+    from supervisor.arbiter import Arbiter
+
+logger = logging.getLogger(__name__)
+S = WorkerState
+RSS_SAMPLE_EVERY = 1.0
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    placement: SlotPlacement
+    state: WorkerState = WorkerState.STOPPED  # STARTING while it has a current incarnation
+    current: WorkerHandle | None = None
+    previous: WorkerHandle | None = None
+    generation: int = 0
+    restarts: int = 0
+    start_failures: int = 0
+    last_exit: str | None = None
+    failure: str | None = None
+    causes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10))
+    backoff_timer: Any = None
+    backoff_until: float | None = None
+
+    def set_state(self, new: WorkerState, model: str, reason: str = "") -> None:
+        if new == self.state:
+            return
+        check_transition(self.state, new)
+        level = logging.CRITICAL if new == S.FATAL else logging.INFO
+        logger.log(level, "slot %s#%d: %s -> %s%s", model, self.index, self.state.value,
+                   new.value, f" ({reason})" if reason else "")
+        self.state = new
+
+    @property
+    def display_state(self) -> WorkerState:
+        return self.current.state if self.current is not None else self.state
+
+    def handles(self) -> list[WorkerHandle]:
+        return [handle for handle in (self.current, self.previous) if handle is not None]
+
+
+class ModelPool:
+    def __init__(self, config: ModelConfig, placements: list[SlotPlacement], host: "Arbiter",
+                 judge: ProbeJudge) -> None:
+        self.config = config
+        self.host = host
+        self.judge = judge
+        self.slots = [Slot(index, placement) for index, placement in enumerate(placements)]
+        self.queue: collections.deque = collections.deque()
+        self._next_rss_sample = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    # -- views ------------------------------------------------------------------------------
+
+    def handles(self) -> list[WorkerHandle]:
+        return [handle for slot in self.slots for handle in slot.handles()]
+
+    def ready(self) -> list[WorkerHandle]:
+        return [handle for handle in self.handles() if handle.state == S.READY]
+
+    def least_loaded(self) -> WorkerHandle | None:
+        """The READY worker with room and the fewest requests in flight; workers failing probes
+        (or being replaced) only when nobody else has room; ties go to the least recently used."""
+        best, best_key = None, None
+        for slot in self.slots:
+            for handle in slot.handles():
+                if not handle.has_room(self.config.max_inflight):
+                    continue
+                suspect = handle.probe.consecutive_failures > 0 or handle.retiring is not None
+                key = (suspect, len(handle.inflight), handle.last_dispatch)
+                if best_key is None or key < best_key:
+                    best, best_key = handle, key
+        return best
+
+    def all_fatal(self) -> bool:
+        return all(slot.state == S.FATAL and not slot.handles() for slot in self.slots)
+
+    def ready_count(self) -> int:
+        return sum(1 for slot in self.slots if slot.display_state == S.READY)
+
+    # -- starting ---------------------------------------------------------------------------
+
+    def start_all(self) -> None:
+        for slot in self.slots:
+            self.spawn(slot)
+
+    def spawn(self, slot: Slot) -> WorkerHandle | None:
+        if self.host.stopping:
+            return None
+        self.host.timers.cancel(slot.backoff_timer)
+        slot.backoff_timer = slot.backoff_until = None
+        slot.generation += 1
+        spec = self.host.worker_spec(self.config, slot.index, slot.generation, slot.placement)
+        handle = self.host.launch(spec, self._on_state)
+        slot.current = handle
+        slot.set_state(S.STARTING, self.name, f"pid {handle.pid}, generation {slot.generation}")
+        if self.config.max_requests:
+            handle.request_limit = self.config.max_requests + random.randint(
+                0, self.config.max_requests_jitter)
+        return handle
+
+    def slot_of(self, handle: WorkerHandle) -> Slot:
+        return self.slots[handle.spec.slot]
+
+    def on_worker_state(self, handle: WorkerHandle, state: str, info: dict) -> None:
+        """A worker reported LOADING/WARMING/READY."""
+        try:
+            new = WorkerState(state)
+        except ValueError:
+            logger.error("%s reported an unknown state %r", handle.worker_id, state)
+            return
+        if not handle.alive or new not in (S.LOADING, S.WARMING, S.READY) or new == handle.state:
+            return
+        handle.info.update({key: value for key, value in info.items() if value is not None})
+        if new == S.READY:
+            handle.ready_at = self.host.clock()
+            handle.probe.baseline_us = info.get("probe_baseline_us")
+            handle.probe.due_at = handle.ready_at  # check it (or record golden) straight away
+        try:
+            handle.set_state(new)
+        except Exception as exc:  # an out-of-order report: log it, keep the daemon up
+            logger.error("%s: %s", handle.worker_id, exc)
+
+    def _on_state(self, handle: WorkerHandle, old: WorkerState, new: WorkerState) -> None:
+        if new != S.READY:
+            return
+        slot = self.slot_of(handle)
+        if slot.previous is not None and slot.previous.state == S.READY:
+            self.drain(slot.previous, f"replaced by generation {handle.spec.generation}")
+        self.host.dispatch(self)
+
+    # -- stopping ---------------------------------------------------------------------------
+
+    def drain(self, handle: WorkerHandle, reason: str) -> None:
+        handle.set_state(S.DRAINING, reason)
+        handle.drain_deadline = self.host.clock() + self.config.drain_timeout
+        self.stop_if_idle(handle)
+
+    def stop_if_idle(self, handle: WorkerHandle) -> None:
+        if handle.state == S.DRAINING and not handle.inflight and not handle.stop_sent:
+            handle.stop_sent = True
+            self.host.send_stop(handle)
+            self.terminate_later(handle)
+
+    def terminate(self, handle: WorkerHandle, reason: str) -> None:
+        """SIGTERM now, SIGKILL after ``kill_grace`` if it is still there."""
+        if handle.alive:
+            handle.set_state(S.DEAD, reason)
+        self.host.recover_requests(self, handle)
+        handle.signal(signal.SIGTERM)
+        self.host.timers.cancel(handle.kill_timer)
+        handle.kill_timer = self.host.timers.call_at(
+            self.host.clock() + self.config.kill_grace, handle.signal, signal.SIGKILL)
+
+    def terminate_later(self, handle: WorkerHandle) -> None:
+        """After a stop message: kill only if it has not left within the drain grace."""
+        self.host.timers.cancel(handle.kill_timer)
+        handle.kill_timer = self.host.timers.call_at(
+            self.host.clock() + self.config.kill_grace, self._overdue, handle)
+
+    def _overdue(self, handle: WorkerHandle) -> None:
+        if handle.exitcode is None:
+            logger.critical("%s pid %s did not stop when asked; killing", handle.worker_id, handle.pid)
+            handle.signal(signal.SIGKILL)
+
+    def on_exit(self, handle: WorkerHandle) -> None:
+        """The process is gone (its sentinel fired and it was reaped)."""
+        cause = exit_cause(handle.exitcode)
+        self.host.timers.cancel(handle.kill_timer)
+        if handle.state == S.DRAINING and handle.exitcode == 0:
+            handle.set_state(S.STOPPED, cause)
+        elif handle.alive:
+            handle.set_state(S.DEAD, cause)
+        self.host.recover_requests(self, handle)
+        slot = self.slot_of(handle)
+        if handle is slot.previous:
+            slot.previous = None
+            return
+        if handle is not slot.current:
+            return
+        slot.current = None
+        slot.last_exit = cause
+        slot.failure = handle.failure or slot.failure
+        slot.set_state(S.DEAD, self.name, cause)
+        if handle.state == S.STOPPED or self.host.stopping:
+            slot.set_state(S.STOPPED, self.name, "stopped")
+            return
+        self._restart(slot, handle, cause)
+
+    def _restart(self, slot: Slot, handle: WorkerHandle, cause: str) -> None:
+        now = self.host.clock()
+        failed_start = (handle.ready_at is None or now - handle.started_at < self.config.start_seconds
+                        or handle.exitcode in STARTUP_FAILURES)
+        slot.start_failures = slot.start_failures + 1 if failed_start else 0
+        slot.restarts += 1
+        slot.causes.append((time.time(), cause))
+        if slot.start_failures >= self.config.max_start_failures:
+            slot.set_state(S.FATAL, self.name, f"{slot.start_failures} failed starts in a row, "
+                           f"last: {cause}{'; ' + slot.failure if slot.failure else ''}")
+            self.host.on_slot_fatal(self)
+            return
+        if not slot.start_failures:
+            self.spawn(slot)
+            return
+        delay = min(self.config.backoff_initial * 2 ** (slot.start_failures - 1),
+                    self.config.backoff_max)
+        slot.set_state(S.BACKOFF, self.name, f"failed start {slot.start_failures}, retry in {delay:.1f}s")
+        slot.backoff_until = now + delay
+        slot.backoff_timer = self.host.timers.call_at(now + delay, self.spawn, slot)
+
+    # -- replacement ------------------------------------------------------------------------
+
+    def replace(self, handle: WorkerHandle, reason: str) -> bool:
+        """Start a replacement; the old worker serves on until it is READY, then drains."""
+        slot = self.slot_of(handle)
+        if (handle is not slot.current or handle.state != S.READY or handle.retiring
+                or slot.previous is not None or self.host.stopping):
+            return False
+        logger.warning("%s pid %s: replacing (%s)", handle.worker_id, handle.pid, reason)
+        handle.retiring = reason
+        slot.previous, slot.current = handle, None
+        slot.causes.append((time.time(), f"replaced: {reason}"))
+        slot.restarts += 1
+        self.spawn(slot)
+        return True
+
+    def restart(self) -> list[str]:
+        """Operator restart: revive FATAL/stopped slots now; replace live workers one by one."""
+        touched = []
+        for slot in self.slots:
+            if slot.current is None:
+                slot.start_failures = 0
+                slot.failure = None
+                self.spawn(slot)
+                touched.append(f"{self.name}#{slot.index}")
+            elif slot.current.state == S.READY and self.replace(slot.current, "restart command"):
+                touched.append(f"{self.name}#{slot.index}")
+        return touched
+
+    # -- health -----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        sample_rss = now >= self._next_rss_sample
+        if sample_rss:
+            self._next_rss_sample = now + RSS_SAMPLE_EVERY
+        for handle in self.handles():
+            self._check(handle, now, sample_rss)
+
+    def _check(self, handle: WorkerHandle, now: float, sample_rss: bool) -> None:
+        config = self.config
+        if handle.state in BOOTING and now - handle.started_at > config.start_timeout:
+            logger.critical("%s pid %s: not READY after %.0fs; killing", handle.worker_id,
+                            handle.pid, config.start_timeout)
+            self.terminate(handle, "start timeout")
+        elif handle.state in (S.READY, S.DRAINING) and now - handle.last_seen > config.heartbeat_timeout:
+            logger.critical("%s pid %s: no heartbeat for %.1fs; killing as hung", handle.worker_id,
+                            handle.pid, now - handle.last_seen)
+            self.terminate(handle, "hung")
+        elif handle.state == S.DRAINING and handle.drain_deadline and now > handle.drain_deadline:
+            self.terminate(handle, "drain timeout")
+        elif handle.state == S.READY:
+            self._check_probe_timeout(handle, now)
+            if sample_rss:
+                self._check_memory(handle, now)
+
+    def _check_probe_timeout(self, handle: WorkerHandle, now: float) -> None:
+        probe = handle.probe
+        if probe.inflight_since is not None and now - probe.inflight_since > self.config.probe.timeout:
+            probe.inflight_since = probe.rid = None
+            self.record_probe(handle, Verdict(False, f"no answer in {self.config.probe.timeout}s"))
+
+    def _check_memory(self, handle: WorkerHandle, now: float) -> None:
+        rss = handle.sample_rss(now)
+        if self.config.max_rss and rss and rss > self.config.max_rss:
+            self.replace(handle, f"rss {rss} > max_rss {self.config.max_rss}")
+        cuda = handle.cuda_bytes
+        if self.config.max_cuda_memory and cuda and cuda > self.config.max_cuda_memory:
+            self.replace(handle, f"cuda memory {cuda} > max_cuda_memory {self.config.max_cuda_memory}")
+
+    def after_result(self, handle: WorkerHandle) -> None:
+        if handle.request_limit and handle.served >= handle.request_limit:
+            self.replace(handle, f"served {handle.served} requests (max_requests)")
+        self.stop_if_idle(handle)
+
+    def probe_due(self, handle: WorkerHandle, now: float) -> bool:
+        return (self.config.probe.interval > 0 and handle.probe.inflight_since is None
+                and now >= handle.probe.due_at and bool(self.config.inputs or self.config.probe.input))
+
+    def record_probe(self, handle: WorkerHandle, verdict: Verdict) -> None:
+        probe = handle.probe
+        probe.last_at, probe.last_ok, probe.last_reason = time.time(), verdict.ok, verdict.reason
+        if verdict.drift is not None:
+            probe.drift = verdict.drift
+        probe.due_at = self.host.clock() + self.config.probe.interval
+        if verdict.ok:
+            probe.consecutive_failures = 0
+            return
+        probe.consecutive_failures += 1
+        logger.warning("%s pid %s: probe failed (%d in a row): %s", handle.worker_id, handle.pid,
+                       probe.consecutive_failures, verdict.reason)
+        if probe.consecutive_failures >= self.config.probe.failures:
+            self.replace(handle, f"{probe.consecutive_failures} failed probes: {verdict.reason}")

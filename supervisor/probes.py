@@ -1,0 +1,122 @@
+"""The sentinel's judgement: is this worker's answer to the known input still the known output?
+
+Checks, in order: count, shape and dtype of the outputs; NaN/Inf; the optional value range;
+``|out - golden| <= atol + rtol * |golden|`` everywhere; and latency within ``latency_factor``
+times the worker's own healthy baseline (and at least ``latency_slack_ms`` above it, so a busy
+2-core box does not flap). The golden output is a file, or the first healthy answer after
+warm-up. This module needs numpy only: the supervisor never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import ProbeConfig
+from shared.protocol import DTYPES
+
+_NUMPY = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str
+    drift: float | None = None
+
+
+def decode_outputs(descs: list[dict], frames: list) -> list[np.ndarray]:
+    """Probe outputs (always inline) as float-comparable numpy arrays; bfloat16 widened."""
+    arrays = []
+    for desc in descs:
+        raw = np.frombuffer(frames[desc["frame"]].buffer, dtype=np.uint8)
+        shape = tuple(desc["shape"])
+        if desc["dtype"] == "bfloat16":
+            widened = raw.view(np.uint16).astype(np.uint32) << 16
+            arrays.append(widened.view(np.float32).reshape(shape))
+        else:
+            arrays.append(raw.view(_NUMPY[desc["dtype"]]).reshape(shape))
+    return arrays
+
+
+def load_golden(path: Path) -> list[np.ndarray]:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            return [archive[key] for key in archive.files]
+    return [np.load(path, allow_pickle=False)]
+
+
+class ProbeJudge:
+    def __init__(self, config: ProbeConfig, golden: list[np.ndarray] | None = None) -> None:
+        self.config = config
+        self.golden = golden
+        self.golden_dtypes: list[str] | None = None
+
+    def judge(self, dtypes: list[str], outputs: list[np.ndarray], latency_us: int,
+              baseline_us: int | None) -> Verdict:
+        problem = _nonfinite(outputs) or self._out_of_range(outputs)
+        if problem:
+            return Verdict(False, problem)
+        if self.golden is None:
+            self.golden = [np.array(array, copy=True) for array in outputs]
+            self.golden_dtypes = list(dtypes)
+            return Verdict(True, "recorded as golden", 0.0)
+        problem = self._mismatch(dtypes, outputs)
+        if problem:
+            return Verdict(False, problem)
+        drift = self._drift(outputs)
+        if drift is not None:
+            return Verdict(False, f"drifted from golden by {drift:.3g}", drift)
+        if baseline_us is not None and self._too_slow(latency_us, baseline_us):
+            return Verdict(False, f"probe took {latency_us} us, baseline {baseline_us} us",
+                           self._max_abs(outputs))
+        return Verdict(True, "ok", self._max_abs(outputs))
+
+    def _mismatch(self, dtypes: list[str], outputs: list[np.ndarray]) -> str | None:
+        if len(outputs) != len(self.golden):
+            return f"{len(outputs)} outputs, golden has {len(self.golden)}"
+        for index, (array, golden) in enumerate(zip(outputs, self.golden)):
+            if array.shape != golden.shape:
+                return f"output {index}: shape {list(array.shape)}, golden {list(golden.shape)}"
+        if self.golden_dtypes is not None and dtypes != self.golden_dtypes:
+            return f"output dtypes {dtypes}, golden {self.golden_dtypes}"
+        return None
+
+    def _out_of_range(self, outputs: list[np.ndarray]) -> str | None:
+        if self.config.range is None:
+            return None
+        low, high = self.config.range
+        for index, array in enumerate(outputs):
+            if array.size and (array.min() < low or array.max() > high):
+                return f"output {index} leaves the range [{low}, {high}]"
+        return None
+
+    def _drift(self, outputs: list[np.ndarray]) -> float | None:
+        """The largest absolute difference, if any element is outside the tolerance."""
+        for array, golden in zip(outputs, self.golden):
+            a, g = array.astype(np.float64), golden.astype(np.float64)
+            if not np.all(np.abs(a - g) <= self.config.atol + self.config.rtol * np.abs(g)):
+                return self._max_abs(outputs)
+        return None
+
+    def _max_abs(self, outputs: list[np.ndarray]) -> float:
+        worst = 0.0
+        for array, golden in zip(outputs, self.golden):
+            if array.size:
+                diff = np.abs(array.astype(np.float64) - golden.astype(np.float64)).max()
+                worst = max(worst, float(diff))
+        return worst
+
+    def _too_slow(self, latency_us: int, baseline_us: int) -> bool:
+        limit = max(self.config.latency_factor * baseline_us,
+                    baseline_us + self.config.latency_slack_ms * 1000)
+        return latency_us > limit
+
+
+def _nonfinite(outputs: list[np.ndarray]) -> str | None:
+    for index, array in enumerate(outputs):
+        if array.dtype.kind in "fc" and array.size and not np.isfinite(array).all():
+            return f"output {index} holds NaN or Inf"
+    return None

@@ -1,0 +1,80 @@
+"""A client request while the supervisor holds it, and the rule for what happens when a worker
+holding it dies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from shared.protocol import POISON, WORKER_DIED, BAD_INPUT, ProtocolError
+
+# A request that was in flight on this many workers that all died is poison: it is answered and
+# never retried, so one bad input cannot crash-loop a whole pool.
+POISON_AFTER_DEATHS = 2
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    rid: int
+    socket: Any  # the frontend socket it came in on: the reply goes out there
+    route: list  # routing id (+ delimiter) to address the reply
+    client_id: Any  # the client's own id, echoed in the reply
+    model: str
+    header_frame: Any  # forwarded to the worker unchanged
+    payload: list  # payload frames, forwarded unchanged (zero-copy)
+    received_ns: int
+    deadline: float
+    timer: Any = None
+    worker: Any = None  # the WorkerHandle holding it, if dispatched
+    dispatched_ns: int = 0
+    deaths: int = 0
+    done: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class ProbeRequest:
+    """The sentinel's own request: it has no client, only a worker and a start time."""
+
+    rid: int
+    worker: Any
+    sent_at: float
+
+
+def after_worker_death(request: Request, retries: int) -> str | None:
+    """None to retry the request on another worker, else the error code to answer it with."""
+    request.deaths += 1
+    request.worker = None
+    if request.deaths >= POISON_AFTER_DEATHS:
+        return POISON
+    if request.deaths > retries:
+        return WORKER_DIED
+    return None
+
+
+def check_declared(tree: Any, tensors: list, declared: list | None) -> None:
+    """The request's tensors must match the model's declared inputs (count or names, dtype, and
+    every static dimension); -1 in a declared shape accepts any size. Raises BAD_INPUT."""
+    if not declared:
+        return
+    pairs = _pair_with_declared(tree, tensors, declared)
+    for spec, desc in pairs:
+        if desc.dtype != spec.dtype:
+            raise ProtocolError(BAD_INPUT, f"input {spec.name!r}: dtype {desc.dtype}, "
+                                f"model takes {spec.dtype}")
+        if len(desc.shape) != len(spec.shape) or any(
+                want not in (-1, got) for want, got in zip(spec.shape, desc.shape)):
+            raise ProtocolError(BAD_INPUT, f"input {spec.name!r}: shape {list(desc.shape)}, "
+                                f"model takes {list(spec.shape)} (-1 = any)")
+
+
+def _pair_with_declared(tree: Any, tensors: list, declared: list) -> list:
+    names = [spec.name for spec in declared]
+    if isinstance(tree, dict) and "dict" in tree:
+        given = tree["dict"]
+        if set(given) != set(names) or not all(isinstance(v, int) for v in given.values()):
+            raise ProtocolError(BAD_INPUT, f"inputs must be named {names}, got {sorted(given)}")
+        return [(spec, tensors[given[spec.name]]) for spec in declared]
+    items = [tree] if isinstance(tree, int) else (tree if isinstance(tree, list) else tree["tuple"])
+    if len(items) != len(declared) or not all(isinstance(item, int) for item in items):
+        raise ProtocolError(BAD_INPUT, f"model takes {len(declared)} input tensor(s): {names}")
+    return [(spec, tensors[item]) for spec, item in zip(declared, items)]

@@ -1,0 +1,251 @@
+"""Routing: accept client requests, queue them per model, hand them to the least-loaded READY
+worker, answer each exactly once.
+
+The supervisor never reads payload bytes: inline frames are checked by length and forwarded as
+the same ZeroMQ frames; shared-memory descriptors are checked against the registry and forwarded
+as they came. Every accepted request ends in ``finish``, which answers it once and forgets it:
+with the worker's result, a TIMEOUT from its deadline timer, a retry verdict after a worker
+death, or SHUTTING_DOWN.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from shared import protocol
+from shared.protocol import (NO_WORKER, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
+                             TIMEOUT, UNKNOWN_MODEL, ProtocolError)
+from supervisor.handle import WorkerHandle
+from supervisor.probes import decode_outputs, Verdict
+from supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
+
+if TYPE_CHECKING:
+    from supervisor.arbiter import Arbiter
+    from supervisor.pool import ModelPool
+
+logger = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, arbiter: "Arbiter") -> None:
+        self.arbiter = arbiter
+        self.pending: dict[int, Request | ProbeRequest] = {}
+        self._rids = itertools.count(1)
+        self.answered = 0
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def accept_infer(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
+                     header: dict) -> None:
+        arbiter = self.arbiter
+        request_id = protocol.request_id_of(header)
+        try:
+            if arbiter.stopping:
+                raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+            parsed = protocol.parse_infer(header, len(envelope.payload))
+            protocol.frame_lengths_match(parsed.tensors, envelope.payload)
+            pool = arbiter.pools.get(parsed.model)
+            if pool is None:
+                raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
+                                    f"configured: {', '.join(arbiter.pools)}")
+            self._check_regions(connection, parsed)
+            check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
+            if pool.all_fatal():
+                raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL; "
+                                    "see `modelwarden status`, then `modelwarden restart`")
+            if len(pool.queue) >= pool.config.max_queue:
+                raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(pool.queue)} requests "
+                                    "queued (max_queue); retry later")
+        except ProtocolError as exc:
+            self.send_error(socket, envelope.route, request_id, exc.code, exc.message)
+            return
+        now = arbiter.clock()
+        timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
+        request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
+                          envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout)
+        request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)
+        self.pending[request.rid] = request
+        pool.queue.append(request)
+        self.dispatch(pool)
+
+    def _check_regions(self, connection: tuple, parsed: protocol.InferRequest) -> None:
+        registry = self.arbiter.registry
+        for index, desc in enumerate(parsed.tensors):
+            if desc.shm is not None:
+                registry.check(connection, desc.shm, f"tensor {index}")
+        if parsed.out is not None:
+            registry.check(connection, parsed.out, "'out'")
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch(self, pool: "ModelPool") -> None:
+        now = self.arbiter.clock()
+        for handle in pool.ready():
+            if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
+                self._send_probe(handle, now)
+        queue = pool.queue
+        while queue:
+            handle = pool.least_loaded()
+            if handle is None:
+                return
+            request = queue.popleft()
+            if not request.done:
+                self._send(handle, request, now)
+
+    def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
+        envelope = protocol.pack({"type": "run", "rid": request.rid})
+        self.arbiter.backend.send_multipart(
+            [handle.identity, SIGNATURE, envelope, request.header_frame, *request.payload],
+            copy=False)
+        request.worker = handle
+        request.dispatched_ns = time.perf_counter_ns()
+        handle.inflight[request.rid] = request
+        handle.last_dispatch = now
+
+    def _send_probe(self, handle: WorkerHandle, now: float) -> None:
+        probe = ProbeRequest(next(self._rids), handle, now)
+        self.arbiter.backend.send_multipart(
+            [handle.identity, SIGNATURE, protocol.pack({"type": "run", "rid": probe.rid, "probe": True})])
+        handle.inflight[probe.rid] = probe
+        handle.probe.inflight_since = now
+        handle.probe.rid = probe.rid
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def on_result(self, pool: "ModelPool", handle: WorkerHandle, header: dict, frames: list) -> None:
+        request = handle.inflight.pop(header.get("rid"), None)
+        if request is None:
+            logger.error("%s answered a request it does not hold", handle.worker_id)
+            return
+        if isinstance(request, ProbeRequest):
+            self._judge_probe(pool, handle, request, header, frames)
+        else:
+            self._relay_result(handle, request, header, frames)
+        pool.after_result(handle)
+        self.dispatch(pool)
+
+    def _relay_result(self, handle: WorkerHandle, request: Request, header: dict, frames: list) -> None:
+        handle.served += 1
+        if request.done:  # it timed out while the worker was busy with it
+            return
+        finished_ns = time.perf_counter_ns()
+        total_us = (finished_ns - request.received_ns) // 1000
+        if header.get("ok"):
+            handle.latencies_us.append(total_us)
+            reply = {"id": request.client_id, "ok": True, "outputs": header.get("outputs"),
+                     "tensors": header.get("tensors"), "worker": handle.worker_id,
+                     "timing": {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
+                                "compute_us": header.get("compute_us"), "total_us": total_us}}
+        else:
+            handle.errors += 1
+            error = header.get("error") or {}
+            reply = protocol.error_header(request.client_id, error.get("code", protocol.INTERNAL),
+                                          error.get("message", "worker gave no message"))
+            reply["worker"] = handle.worker_id
+        self.finish(request, reply, frames)
+
+    def _judge_probe(self, pool: "ModelPool", handle: WorkerHandle, probe: ProbeRequest,
+                     header: dict, frames: list) -> None:
+        record = handle.probe
+        if record.rid != probe.rid:  # answered after its timeout, already counted as a failure
+            return
+        record.inflight_since = record.rid = None
+        if not header.get("ok"):
+            error = header.get("error") or {}
+            verdict = Verdict(False, f"probe raised {error.get('code')}: {error.get('message')}")
+        else:
+            try:
+                descs = header.get("tensors") or []
+                outputs = decode_outputs(descs, frames)
+                record.latency_us = header.get("compute_us")
+                verdict = pool.judge.judge([desc["dtype"] for desc in descs], outputs,
+                                           record.latency_us or 0, record.baseline_us)
+            except Exception as exc:  # a worker answering garbage fails its probe
+                verdict = Verdict(False, f"probe answer unreadable: {exc}")
+        pool.record_probe(handle, verdict)
+
+    def finish(self, request: Request, reply: dict, frames: list | None = None) -> None:
+        """Answer a request exactly once."""
+        if request.done:
+            return
+        request.done = True
+        self.arbiter.timers.cancel(request.timer)
+        self.pending.pop(request.rid, None)
+        parts = [*request.route, SIGNATURE, protocol.pack(reply)]
+        if frames:
+            parts.extend(frames)
+        try:
+            request.socket.send_multipart(parts, copy=False)
+        except zmq.ZMQError as exc:  # the client's queue is full or it went away
+            logger.warning("could not answer request %s: %s", request.client_id, exc)
+        self.answered += 1
+
+    def fail(self, request: Request, code: str, message: str) -> None:
+        self.finish(request, protocol.error_header(request.client_id, code, message))
+
+    def send_error(self, socket: zmq.Socket, route: list, request_id: Any, code: str,
+                   message: str) -> None:
+        try:
+            socket.send_multipart([*route, SIGNATURE, protocol.pack(
+                protocol.error_header(request_id, code, message))], copy=False)
+        except zmq.ZMQError as exc:
+            logger.warning("could not send a %s error: %s", code, exc)
+
+    # -- deadlines and deaths ---------------------------------------------------------------
+
+    def expire(self, request: Request) -> None:
+        if request.done:
+            return
+        where = f"on {request.worker.worker_id}" if request.worker is not None else "in the queue"
+        if request.worker is None:
+            pool = self.arbiter.pools[request.model]
+            try:
+                pool.queue.remove(request)
+            except ValueError:
+                pass
+        self.fail(request, TIMEOUT, f"no answer within the deadline (request was {where})")
+
+    def recover(self, pool: "ModelPool", handle: WorkerHandle) -> None:
+        """The worker is gone or declared dead: retry what it held, or answer it."""
+        held = list(handle.inflight.values())
+        handle.inflight.clear()
+        retry = []
+        for request in held:
+            if isinstance(request, ProbeRequest):
+                handle.probe.inflight_since = handle.probe.rid = None
+                continue
+            if request.done:
+                continue
+            verdict = after_worker_death(request, pool.config.retries)
+            if verdict is None:
+                retry.append(request)
+            else:
+                self.fail(request, verdict, self._death_message(verdict, handle))
+        if retry:
+            logger.warning("%s died holding %d request(s); retrying them", handle.worker_id, len(retry))
+            pool.queue.extendleft(reversed(retry))
+        self.dispatch(pool)
+
+    @staticmethod
+    def _death_message(code: str, handle: WorkerHandle) -> str:
+        if code == protocol.POISON:
+            return "the request was in flight on two workers that both died; not retrying it"
+        return f"worker {handle.worker_id} died holding the request (retries are off)"
+
+    def fail_queue(self, pool: "ModelPool", code: str, message: str) -> None:
+        while pool.queue:
+            request = pool.queue.popleft()
+            self.fail(request, code, message)
+
+    def fail_everything(self, code: str, message: str) -> None:
+        for request in list(self.pending.values()):
+            if isinstance(request, Request):
+                self.fail(request, code, message)
+        for pool in self.arbiter.pools.values():
+            pool.queue.clear()
+

@@ -1,0 +1,94 @@
+"""A model factory with injectable faults, for tests only (never in product code).
+
+``make_faulty(fault=..., after=N)``: a small deterministic model, y = x @ W + 1 over [N, 8]
+inputs, that misbehaves in one chosen way once it has served ``after`` calls *in this process*
+(so a retried request on a fresh worker succeeds). Faults:
+
+  none        behaves
+  raise       raises ValueError when the input holds the marker value 13.0
+  poison      SIGKILLs its own process when the input holds the marker 13.0 (kills every worker)
+  segfault    faulthandler._sigsegv() in forward
+  exit0       os._exit(0) in forward
+  hang        never returns from forward (only on batch size ``only_batch`` if given)
+  leak        keeps ``leak_mb`` MiB more resident memory on every call
+  drift       perturbs its weights by ``scale`` (outputs drift from golden)
+  flaky_drift perturbed outputs on every other call
+  nan         returns NaN
+  load_error  raises while loading (the worker exits with code 4)
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+
+import torch
+from torch import nn
+
+MARKER = 13.0
+
+
+def weights(features: int = 8) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randn(features, features, generator=generator) * 0.2
+
+
+def reference(x: torch.Tensor) -> torch.Tensor:
+    """What a healthy model returns: tests compare against this in-process."""
+    return x @ weights(x.shape[-1]) + 1.0
+
+
+class Faulty(nn.Module):
+    def __init__(self, fault: str, after: int, only_batch: int | None, leak_mb: int,
+                 scale: float) -> None:
+        super().__init__()
+        self.fault = fault
+        self.after = after
+        self.only_batch = only_batch
+        self.leak_mb = leak_mb
+        self.scale = scale
+        self.calls = 0
+        self.hoard: list[bytearray] = []
+        self.register_buffer("weight", weights())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        armed = self.calls > self.after and (self.only_batch is None or x.shape[0] == self.only_batch)
+        has_marker = bool((x == MARKER).any())
+        if self.fault == "raise" and has_marker:
+            raise ValueError("the input holds the marker value")
+        if self.fault == "poison" and has_marker:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if armed:
+            self._misbehave()
+        y = x @ self.weight + 1.0
+        if armed and self.fault == "nan":
+            y = torch.full_like(y, float("nan"))
+        if self.fault == "flaky_drift" and self.calls > self.after and self.calls % 2 == 0:
+            y = y * (1.0 + self.scale)
+        return y
+
+    def _misbehave(self) -> None:
+        if self.fault == "segfault":
+            faulthandler._sigsegv()
+        elif self.fault == "exit0":
+            os._exit(0)
+        elif self.fault == "hang":
+            while True:  # a model stuck in forward: nothing here ever returns
+                time.sleep(3600)
+        elif self.fault == "leak":
+            block = bytearray(self.leak_mb * 1024 * 1024)
+            block[::4096] = b"x" * len(block[::4096])  # touch every page: make it resident
+            self.hoard.append(block)
+        elif self.fault == "drift" and self.calls == self.after + 1:
+            with torch.no_grad():
+                self.weight.mul_(1.0 + self.scale)
+
+
+def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = None,
+                leak_mb: int = 32, scale: float = 0.5) -> nn.Module:
+    if fault == "load_error":
+        raise RuntimeError("this model refuses to load (test fault)")
+    return Faulty(fault, after, only_batch, leak_mb, scale)

@@ -1,0 +1,236 @@
+"""Test helpers: start the real daemon as a subprocess, poll with deadlines, read /proc."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from shared import protocol, shm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def poll_until(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
+               message: str = "condition") -> Any:
+    """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds.
+    Waiting is done in zmq.Poller with no sockets, not time.sleep: a poll with a deadline."""
+    deadline = time.monotonic() + timeout
+    idle = zmq.Poller()
+    last_error: Exception | None = None
+    while True:
+        try:
+            value = condition()
+            if value:
+                return value
+        except Exception as exc:  # the condition may race with a restarting daemon
+            last_error = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}"
+                                 + (f" (last error: {last_error!r})" if last_error else ""))
+        idle.poll(int(interval * 1000))
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{key} = {toml_value(item)}" for key, item in value.items()) + " }"
+    raise TypeError(type(value))
+
+
+def render_config(daemon: dict, models: list[dict]) -> str:
+    lines = ["[daemon]"] + [f"{key} = {toml_value(value)}" for key, value in daemon.items()]
+    for model in models:
+        probe = model.get("probe")
+        lines += ["", "[[models]]"]
+        lines += [f"{key} = {toml_value(value)}" for key, value in model.items() if key != "probe"]
+        if probe:
+            lines += [f"[models.probe]"] + [f"{key} = {toml_value(value)}" for key, value in probe.items()]
+    return "\n".join(lines) + "\n"
+
+
+def mlp_model(name: str = "mlp", workers: int = 2, **extra: Any) -> dict:
+    model = {"name": name, "source": "python:examples.models:make_mlp", "kwargs": {"hidden": 32},
+             "workers": workers, "cores_per_worker": 1, "threads": 1, "warmup": 2,
+             "inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 64]}]}
+    model.update(extra)
+    return model
+
+
+def faulty_model(name: str, fault: str = "none", workers: int = 1, **extra: Any) -> dict:
+    kwargs = {"fault": fault, **extra.pop("kwargs", {})}
+    model = {"name": name, "source": "python:tests.faulty:make_faulty", "kwargs": kwargs,
+             "workers": workers, "cores_per_worker": 1, "threads": 1, "warmup": 2,
+             "inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 8]}]}
+    model.update(extra)
+    return model
+
+
+class Daemon:
+    """The real daemon in a subprocess, on a private runtime directory."""
+
+    def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None) -> None:
+        # Short paths: a unix socket path is limited to 107 bytes.
+        self.dir = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
+        settings = {"runtime_dir": str(self.dir / "run"), "allow_oversubscription": True,
+                    "heartbeat_interval": 0.2, "shm_sweep_interval": 0.5,
+                    "python_path": [str(ROOT)]}
+        settings.update(daemon or {})
+        self.config_path = self.dir / "modelwarden.toml"
+        self.config_path.write_text(render_config(settings, models))
+        self.log_path = self.dir / "daemon.log"
+        self.env = {**os.environ, **(env or {})}
+        self.env.pop("MODELWARDEN_CONFIG", None)
+        self.process: subprocess.Popen | None = None
+        self.endpoint = f"ipc://{self.dir}/run/frontend.sock"
+        self.control = f"ipc://{self.dir}/run/control.sock"
+        if "frontend" in settings:
+            self.endpoint = settings["frontend"][0]
+
+    def start(self) -> "Daemon":
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path)],
+            cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def status(self, timeout: float = 5.0) -> dict:
+        from shared.client import control_request
+
+        return control_request(self.control, {"type": "status"}, timeout)["status"]
+
+    def command(self, command: str, **fields: Any) -> dict:
+        from shared.client import control_request
+
+        return control_request(self.control, {"type": command, **fields}, 5.0)
+
+    def workers(self, model: str | None = None, state: str | None = None) -> list[dict]:
+        return [worker for worker in self.status()["workers"]
+                if (model is None or worker["model"] == model)
+                and (state is None or worker["state"] == state)]
+
+    def wait_ready(self, timeout: float = 90.0, models: list[str] | None = None) -> dict:
+        def all_ready():
+            if self.process.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.process.returncode}:\n{self.log()}")
+            status = self.status(timeout=2.0)
+            wanted = [m for m in status["models"] if models is None or m["name"] in models]
+            return status if all(m["ready"] == m["workers"] for m in wanted) else None
+
+        return poll_until(all_ready, timeout, message="every worker READY")
+
+    def worker_pids(self) -> list[int]:
+        return [worker["pid"] for worker in self.status()["workers"] if worker["pid"]]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(f"daemon did not stop within {timeout}s:\n{self.log()}")
+
+    def cleanup(self) -> None:
+        pids = []
+        try:
+            if self.process is not None and self.process.poll() is None:
+                pids = self.worker_pids()
+        except Exception:
+            pass
+        try:
+            self.stop()
+        finally:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            self._log.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> "Daemon":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.cleanup()
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child pids of ``pid``, from /proc (zombies excluded)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+
+
+def cpus_allowed(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("no Cpus_allowed_list")
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def our_segments() -> set[str]:
+    return set(shm.list_segments())
+
+
+def raw_request(endpoint: str, frames: list[bytes], timeout: float = 10.0) -> dict:
+    """Send raw frames on a fresh DEALER and return the decoded reply header."""
+    context = zmq.Context.instance()
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(frames)
+        if not sock.poll(int(timeout * 1000)):
+            raise AssertionError("no reply to a raw request")
+        reply = sock.recv_multipart()
+        return protocol.unpack_header(reply[1])
+    finally:
+        sock.close()
+
+
+def header_frame(header: dict) -> bytes:
+    return protocol.pack(header)

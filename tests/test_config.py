@@ -1,0 +1,115 @@
+"""Configuration: the file, environment overrides, and clear errors (exit 2, one line, no
+traceback) from the real command line."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared.config import ConfigError, load_settings
+from tests.helpers import ROOT, render_config, mlp_model
+
+
+def write(tmp_path: Path, models: list[dict], daemon: dict | None = None) -> Path:
+    path = tmp_path / "mw.toml"
+    path.write_text(render_config(daemon or {"runtime_dir": str(tmp_path / "run")}, models))
+    return path
+
+
+def serve_check(path: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    environment = {**os.environ, **(env or {})}
+    environment.pop("MODELWARDEN_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "supervisor", "serve", "--check", "--config", str(path)],
+                          cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60)
+
+
+def assert_config_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got: {result.stderr}"
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_example_config_is_valid():
+    result = serve_check(ROOT / "examples" / "modelwarden.toml")
+    assert result.returncode == 0, result.stderr
+    assert "mlp#0: cpu[" in result.stdout and "mlp#1: cpu[" in result.stdout
+
+
+def test_oversubscription_is_an_error_naming_the_key(tmp_path):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    path = write(tmp_path, [mlp_model(workers=cores + 1)])
+    assert_config_error(serve_check(path), "models[0]", "cores_per_worker", "allow_oversubscription")
+
+
+def test_threads_above_cores_is_an_error(tmp_path):
+    path = write(tmp_path, [mlp_model(workers=1, threads=2)])
+    assert_config_error(serve_check(path), "models[0] (model 'mlp').threads", "never runs more threads")
+
+
+def test_unknown_source_scheme(tmp_path):
+    path = write(tmp_path, [mlp_model(source="onnx:model.onnx", workers=1)])
+    assert_config_error(serve_check(path), "models[0].source", "unknown source scheme")
+
+
+def test_missing_model_file(tmp_path):
+    path = write(tmp_path, [mlp_model(source="torchscript:missing.pt", workers=1)])
+    assert_config_error(serve_check(path), "models[0].source", "does not exist")
+
+
+def test_unknown_key(tmp_path):
+    path = write(tmp_path, [mlp_model(workers=1, wrokers=2)])
+    assert_config_error(serve_check(path), "models[0].wrokers", "unknown key")
+
+
+def test_bad_dtype_names_nested_key(tmp_path):
+    model = mlp_model(workers=1, inputs=[{"name": "x", "dtype": "float33", "shape": [-1, 64]}])
+    assert_config_error(serve_check(write(tmp_path, [model])), "models[0].inputs[0].dtype", "float33")
+
+
+def test_invalid_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[daemon\n")
+    assert_config_error(serve_check(path), "not valid TOML")
+
+
+def test_environment_overrides_by_model_name_and_index(tmp_path, monkeypatch):
+    path = write(tmp_path, [mlp_model(workers=1), mlp_model(name="other", workers=1)])
+    monkeypatch.setenv("MODELWARDEN_MODELS__other__WORKERS", "2")
+    monkeypatch.setenv("MODELWARDEN_MODELS__0__TIMEOUT", "7.5")
+    monkeypatch.setenv("MODELWARDEN_DAEMON__LOG_LEVEL", "DEBUG")
+    settings = load_settings(path)
+    assert settings.model("other").workers == 2
+    assert settings.model("mlp").timeout == 7.5
+    assert settings.daemon.log_level == "DEBUG"
+
+
+def test_environment_names_the_config_file(tmp_path, monkeypatch):
+    path = write(tmp_path, [mlp_model(workers=1)])
+    monkeypatch.setenv("MODELWARDEN_CONFIG", str(path))
+    settings = load_settings()
+    assert settings.config_path == path.resolve()
+    assert settings.frontends == [f"ipc://{tmp_path / 'run'}/frontend.sock"]
+
+
+def test_bad_environment_override_is_a_config_error(tmp_path, monkeypatch):
+    path = write(tmp_path, [mlp_model(workers=1)])
+    monkeypatch.setenv("MODELWARDEN_MODELS__nosuch__WORKERS", "2")
+    with pytest.raises(ConfigError, match="models.nosuch"):
+        load_settings(path)
+    monkeypatch.delenv("MODELWARDEN_MODELS__nosuch__WORKERS")
+    result = serve_check(path, {"MODELWARDEN_MODELS__mlp__WORKERS": "zero"})
+    assert_config_error(result, "models[0]", "workers")
+
+
+def test_warmup_needs_an_input_spec(tmp_path):
+    model = mlp_model(workers=1)
+    del model["inputs"]
+    assert_config_error(serve_check(write(tmp_path, [model])), "models[0]", "warm-up needs")

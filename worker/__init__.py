@@ -1,0 +1,1 @@
+"""One worker process: placement, model loading, the serving loop."""

@@ -1,0 +1,106 @@
+"""Load this worker's own copy of the model, and build its example inputs.
+
+Sources:
+  ``torchscript:PATH``      torch.jit.load
+  ``export:PATH``           torch.export.load of a .pt2 file; its .module() is called
+  ``python:module:callable`` a factory called with the model's ``kwargs``, returning an
+                            nn.Module or any callable
+Relative paths are relative to the configuration file's directory.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from shared.codec import TORCH_DTYPES
+from shared.config import WorkerSpec
+
+
+class LoadError(RuntimeError):
+    """The model could not be loaded; the message is shown in ``modelwarden status``."""
+
+
+def load_model(spec: WorkerSpec, device: torch.device) -> Callable:
+    scheme, _, rest = spec.model.source.partition(":")
+    try:
+        model = _LOADERS[scheme](rest, spec, device)
+    except LoadError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"{spec.model.source}: {type(exc).__name__}: {exc}") from exc
+    if isinstance(model, torch.nn.Module):
+        model = model.to(device).eval()
+    elif not callable(model):
+        raise LoadError(f"{spec.model.source} gave a {type(model).__name__}, not a callable")
+    return model
+
+
+def _resolve(spec: WorkerSpec, path: str) -> Path:
+    candidate = Path(path).expanduser()
+    return candidate if candidate.is_absolute() else Path(spec.base_dir) / candidate
+
+
+def _torchscript(rest: str, spec: WorkerSpec, device: torch.device):
+    return torch.jit.load(str(_resolve(spec, rest)), map_location=device)
+
+
+def _export(rest: str, spec: WorkerSpec, device: torch.device):
+    return torch.export.load(str(_resolve(spec, rest))).module()
+
+
+def _python(rest: str, spec: WorkerSpec, device: torch.device):
+    module_name, _, attribute = rest.partition(":")
+    for entry in reversed(spec.python_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    factory: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        factory = getattr(factory, part)
+    return factory(**spec.model.kwargs)
+
+
+_LOADERS = {"torchscript": _torchscript, "export": _export, "python": _python}
+
+
+def example_inputs(spec: WorkerSpec, seed: int, device: torch.device) -> tuple:
+    """Seeded random inputs of the declared spec (-1 dims as 1), as positional arguments."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = []
+    for declared in spec.model.inputs or []:
+        shape = [1 if dim == -1 else dim for dim in declared.shape]
+        tensors.append(_random(declared.dtype, shape, generator).to(device))
+    return tuple(tensors)
+
+
+def _random(dtype_name: str, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+    dtype = TORCH_DTYPES[dtype_name]
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=generator, dtype=torch.float32).to(dtype)
+    return torch.randint(0, 16, shape, generator=generator).to(dtype)
+
+
+def probe_inputs(spec: WorkerSpec, device: torch.device) -> tuple:
+    """The sentinel's input: a file (.npy, .npz, .pt) or seeded random inputs of the spec."""
+    path = spec.model.probe.input
+    if path is None:
+        return example_inputs(spec, spec.model.probe.seed, device)
+    return tuple(tensor.to(device) for tensor in load_tensor_file(_resolve(spec, str(path))))
+
+
+def load_tensor_file(path: Path) -> list[torch.Tensor]:
+    """Tensors from .npy (one), .npz (several, in file order) or .pt (a tensor or a list)."""
+    if path.suffix == ".npy":
+        return [torch.from_numpy(np.load(path, allow_pickle=False))]
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as archive:
+            return [torch.from_numpy(archive[key]) for key in archive.files]
+    loaded = torch.load(path, weights_only=True)
+    return list(loaded) if isinstance(loaded, (list, tuple)) else [loaded]

@@ -1,0 +1,245 @@
+"""The worker's serving loop: one request at a time, heartbeats from the loop itself.
+
+Heartbeats come from this loop, not from a side thread: a worker stuck in ``forward`` stops
+beating, and the supervisor's ``heartbeat_timeout`` catches it. The loop also watches the
+supervisor's pipe: when the supervisor is gone, the worker leaves (PR_SET_PDEATHSIG covers the
+case where it is stuck in ``forward``).
+
+Messages on the backend socket (a DEALER; the supervisor's ROUTER adds our identity):
+
+  supervisor -> worker
+    [SIG, {"type": "run", "rid": N}, client_header, payload...]   a client's infer request
+    [SIG, {"type": "run", "rid": N, "probe": true}]                the sentinel probe
+    [SIG, {"type": "unmap", "segments": [...]}]                    forget client segments
+    [SIG, {"type": "stop"}]                                        exit 0 (sent once drained)
+  worker -> supervisor
+    [SIG, {"type": "state", "state": "LOADING"|"WARMING"|"READY", "info": {...}}]
+    [SIG, {"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
+    [SIG, {"type": "heartbeat", "cuda_bytes": N}]
+    [SIG, {"type": "result", "rid": N, "ok": true, "outputs": TREE, "tensors": [...],
+           "compute_us": N}, payload...]
+    [SIG, {"type": "result", "rid": N, "ok": false, "error": {"code": C, "message": M}}]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import zmq
+
+from shared import protocol
+from shared.codec import check_finite, dtype_name, flatten, from_bytes, raw_bytes, unflatten
+from shared.config import WorkerSpec
+from shared.protocol import BAD_INPUT, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError, SIGNATURE
+from shared.shm import ALIGN, Segment
+from shared.states import EXIT_OK, EXIT_ORPHANED
+from worker.segments import SegmentMaps
+
+logger = logging.getLogger(__name__)
+MAX_MESSAGE_CHARS = 2000
+
+
+class Channel:
+    """The worker's end of the backend socket."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self.socket = socket
+
+    def send(self, header: dict, frames: list | None = None) -> None:
+        parts = [SIGNATURE, protocol.pack(header)]
+        if frames:
+            parts.extend(frames)
+        self.socket.send_multipart(parts, copy=False)
+
+    def state(self, state: str, **info: Any) -> None:
+        self.send({"type": "state", "state": state, "info": info})
+
+    def failed(self, stage: str, message: str) -> None:
+        self.send({"type": "failed", "stage": stage, "message": message[:MAX_MESSAGE_CHARS]})
+
+
+class WorkerServer:
+    def __init__(self, spec: WorkerSpec, model: Callable, device: torch.device, channel: Channel,
+                 parent_sentinel: int | None, probe_args: tuple) -> None:
+        self.spec = spec
+        self.model = model
+        self.device = device
+        self.channel = channel
+        self.parent_sentinel = parent_sentinel
+        self.probe_args = probe_args
+        self.segments = SegmentMaps()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.served = 0
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def serve(self) -> int:
+        poller = zmq.Poller()
+        poller.register(self.channel.socket, zmq.POLLIN)
+        if self.parent_sentinel is not None:
+            poller.register(self.parent_sentinel, zmq.POLLIN)
+        interval = self.spec.heartbeat_interval
+        next_beat = time.monotonic()
+        while True:
+            timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
+            events = dict(poller.poll(timeout_ms))
+            if self.parent_sentinel is not None and self.parent_sentinel in events:
+                logger.error("supervisor is gone; leaving")
+                return EXIT_ORPHANED
+            if self.channel.socket in events:
+                code = self._drain_socket()
+                if code is not None:
+                    return code
+            if time.monotonic() >= next_beat:
+                self._heartbeat()
+                next_beat = time.monotonic() + interval
+
+    def _drain_socket(self) -> int | None:
+        while True:
+            try:
+                frames = self.channel.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            code = self._handle(frames)
+            if code is not None:
+                return code
+
+    def _handle(self, frames: list) -> int | None:
+        if len(frames) < 2 or frames[0].bytes != SIGNATURE:
+            logger.error("dropping a malformed message from the supervisor")
+            return None
+        header = protocol.unpack_header(frames[1].buffer)
+        kind = header.get("type")
+        if kind == "run":
+            self._run(header, frames[2:])
+        elif kind == "unmap":
+            self.segments.forget(header.get("segments") or [])
+        elif kind == "stop":
+            logger.info("stopping as asked after %d requests", self.served)
+            return EXIT_OK
+        else:
+            logger.error("dropping a message of unknown type %r", kind)
+        return None
+
+    def _heartbeat(self) -> None:
+        beat: dict[str, Any] = {"type": "heartbeat", "served": self.served}
+        if self.device.type == "cuda":
+            beat["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
+        self.channel.send(beat)
+
+    # -- one request ------------------------------------------------------------------------
+
+    def _run(self, envelope: dict, frames: list) -> None:
+        rid = envelope.get("rid")
+        reply_frames: list = []
+        try:
+            if envelope.get("probe"):
+                args, kwargs, tree, sources, out = self.probe_args, {}, None, [], None
+            else:
+                args, kwargs, tree, sources, out = self._decode(frames)
+            started = time.perf_counter_ns()
+            outputs = self._forward(args, kwargs, tree)
+            compute_us = (time.perf_counter_ns() - started) // 1000
+            reply, reply_frames = self._encode(outputs, out, sources)
+            reply.update(type="result", rid=rid, ok=True, compute_us=compute_us)
+        except ProtocolError as exc:
+            reply = _failure(rid, exc.code, exc.message)
+        except (torch.OutOfMemoryError, MemoryError) as exc:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            reply = _failure(rid, OUT_OF_MEMORY, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # the model's own error: report it, keep serving
+            logger.warning("request %s: model raised %s: %s", rid, type(exc).__name__, exc)
+            reply = _failure(rid, MODEL_ERROR, f"{type(exc).__name__}: {exc}")
+        self.channel.send(reply, reply_frames)
+        self.served += 1
+
+    def _decode(self, frames: list):
+        request = protocol.parse_infer(protocol.unpack_header(frames[0].buffer), len(frames) - 1)
+        payload = frames[1:]
+        protocol.frame_lengths_match(request.tensors, payload)
+        tensors, sources = [], []
+        for index, desc in enumerate(request.tensors):
+            if desc.shm is None:
+                tensors.append(from_bytes(payload[desc.frame].buffer, desc.dtype, desc.shape))
+                continue
+            segment, tensor = self.segments.tensor(desc, f"tensor {index}")
+            sources.append(segment)
+            tensors.append(tensor)
+        if self.spec.model.reject_nonfinite:
+            problem = check_finite(tensors)
+            if problem:
+                raise ProtocolError(BAD_INPUT, problem)
+        if self.device.type != "cpu":
+            tensors = [tensor.to(self.device, non_blocking=True) for tensor in tensors]
+        out = None
+        if request.out is not None:
+            name, offset, nbytes = request.out
+            segment, view = self.segments.region(name, offset, nbytes, "'out'")
+            out = (segment, offset, view)
+        value = unflatten(request.tree, tensors)
+        if isinstance(request.tree, dict) and "dict" in request.tree:
+            return (), value, request.tree, sources, out
+        if isinstance(request.tree, int):
+            return (value,), {}, request.tree, sources, out
+        return tuple(value), {}, request.tree, sources, out
+
+    def _forward(self, args: tuple, kwargs: dict, tree: Any) -> Any:
+        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), stream:
+            outputs = self.model(*args, **kwargs)
+        return outputs
+
+    def _encode(self, outputs: Any, out, sources: list[Segment]) -> tuple[dict, list]:
+        leaves: list = []
+        try:
+            tree = flatten(outputs, leaves)
+        except TypeError as exc:
+            raise ProtocolError(MODEL_ERROR, f"model output cannot travel: {exc}") from None
+        descs, frames, cursor = [], [], 0
+        threshold = self.spec.shm_threshold
+        for leaf in leaves:
+            tensor = leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
+            try:
+                dtype = dtype_name(tensor.dtype)
+            except TypeError as exc:
+                raise ProtocolError(MODEL_ERROR, str(exc)) from None
+            nbytes = tensor.numel() * tensor.element_size()
+            desc = {"dtype": dtype, "shape": list(tensor.shape)}
+            alias = _alias(tensor, nbytes, sources)
+            if alias is not None:
+                desc["shm"] = [alias[0].name, alias[1], nbytes]
+            elif out is not None and nbytes >= threshold and cursor + nbytes <= len(out[2]):
+                view = from_bytes(out[2][cursor:cursor + nbytes], dtype, tuple(tensor.shape))
+                view.copy_(tensor)
+                desc["shm"] = [out[0].name, out[1] + cursor, nbytes]
+                cursor += -(-nbytes // ALIGN) * ALIGN
+            else:
+                desc["frame"] = len(frames)
+                frames.append(raw_bytes(tensor.detach().to("cpu").contiguous()))
+            descs.append(desc)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return {"outputs": tree, "tensors": descs}, frames
+
+
+def _alias(tensor: torch.Tensor, nbytes: int, sources: list[Segment]) -> tuple[Segment, int] | None:
+    """An output lying inside an input's segment comes back as a pointer into it, as the same
+    tensor would in-process: no copy at all."""
+    if not sources or nbytes == 0 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    address = tensor.data_ptr()
+    for segment in sources:
+        start = segment.address
+        if start <= address and address + nbytes <= start + segment.size:
+            return segment, address - start
+    return None
+
+
+def _failure(rid: Any, code: str, message: str) -> dict:
+    return {"type": "result", "rid": rid, "ok": False,
+            "error": {"code": code, "message": message[:MAX_MESSAGE_CHARS]}}
