@@ -30,14 +30,23 @@ def load_model(spec: WorkerSpec, device: torch.device) -> Callable:
     scheme, _, rest = spec.model.source.partition(":")
     try:
         model = _LOADERS[scheme](rest, spec, device)
+        if isinstance(model, torch.nn.Module):
+            model = _to_inference(model, device)
     except LoadError:
         raise
     except Exception as exc:
         raise LoadError(f"{spec.model.source}: {type(exc).__name__}: {exc}") from exc
-    if isinstance(model, torch.nn.Module):
-        model = model.to(device).eval()
-    elif not callable(model):
+    if not callable(model):
         raise LoadError(f"{spec.model.source} gave a {type(model).__name__}, not a callable")
+    return model
+
+
+def _to_inference(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    model = model.to(device)
+    try:
+        model.eval()
+    except NotImplementedError:  # torch.export modules refuse eval(): they are traced as they run
+        pass
     return model
 
 

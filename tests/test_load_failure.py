@@ -1,0 +1,43 @@
+"""A model that cannot load: its worker exits with the documented code, status shows why, the
+slot backs off and ends FATAL, and the other model serves throughout."""
+
+import subprocess
+import sys
+
+import torch
+
+from shared.client import Client, NoWorker
+from shared.states import EXIT_LOAD_ERROR, EXIT_NAMES
+from tests.faulty import reference
+from tests.helpers import ROOT, Daemon, faulty_model, poll_until
+
+
+def test_load_failure_backs_off_then_fatal_while_others_serve():
+    broken = faulty_model("broken", "load_error", backoff_initial=0.1, backoff_max=0.2,
+                          max_start_failures=3)
+    healthy = faulty_model("healthy")
+    with Daemon([broken, healthy]) as daemon:
+        daemon.wait_ready(models=["healthy"])
+
+        def fatal():
+            worker = daemon.workers("broken")[0]
+            return worker if worker["state"] == "FATAL" else None
+
+        worker = poll_until(fatal, 90, message="broken slot FATAL")
+        assert worker["last_exit"] == EXIT_NAMES[EXIT_LOAD_ERROR]
+        assert "refuses to load" in worker["error"]
+        assert worker["restarts"] == 3
+        status = daemon.status()
+        assert status["models"][0]["fatal_slots"] == ["broken#0"]
+        result = subprocess.run([sys.executable, "-m", "supervisor", "status", "--control",
+                                 daemon.control], capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 1  # degraded
+        assert "refuses to load" in result.stdout
+        x = torch.randn(3, 8)
+        with Client(daemon.endpoint) as client:
+            torch.testing.assert_close(client.infer("healthy", x), reference(x))
+            try:
+                client.infer("broken", x)
+                raise AssertionError("a FATAL model must answer NO_WORKER")
+            except NoWorker:
+                pass
