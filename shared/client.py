@@ -36,6 +36,7 @@ import collections
 import concurrent.futures
 import itertools
 import os
+import secrets
 import threading
 import time
 import weakref
@@ -156,6 +157,7 @@ class _Session:
         self.arena: ShmArena | None = None
         self.threshold = 1 << 62
         self.ids = itertools.count(1)
+        self.session_key = secrets.token_hex(16)  # proves to the daemon that our threads are us
         self.out_guess: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -182,7 +184,7 @@ class _Session:
         tree = flatten(inputs, leaves)
         numpy_out = bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
         tensors = [as_tensor(leaf) for leaf in leaves]
-        pending = _Pending(next(self.ids), model, numpy_out, details, keep=tensors)
+        pending = _Pending(next(self.ids), model, numpy_out, details, keep=list(tensors))
         descs, frames = [], []
         try:
             for tensor in tensors:
@@ -247,7 +249,7 @@ class _Session:
         if not new:
             return []
         registered.update(new)
-        header = {"type": "register", "id": f"register-{next(self.ids)}",
+        header = {"type": "register", "id": f"register-{next(self.ids)}", "session": self.session_key,
                   "segments": [[name, size] for name, size in new.items()]}
         return [[SIGNATURE, protocol.pack(header)]]
 

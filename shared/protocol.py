@@ -32,7 +32,8 @@ the client, echoed in the reply; a client drops replies whose id it no longer wa
 
 ``register`` / ``unregister``: declare shared-memory segments this connection created::
 
-    {"type": "register", "id": 1, "segments": [["mw.123.456.<hex>", 67108864]]}
+    {"type": "register", "id": 1, "segments": [["mw.123.456.<hex>", 67108864]],
+     "session": "<32 hex>"}     # optional: lets this client's other connections register them too
     {"type": "unregister", "id": 2, "segments": ["mw.123.456.<hex>"]}
 
 On the control endpoint: ``status`` and ``restart`` (``{"target": "mlp"}`` or a worker id).
@@ -61,7 +62,8 @@ Only clients create segments. A segment name matches SEGMENT_NAME_RE: ``mw.<pid>
 where ``pid`` and ``start`` (the process start time in clock ticks, field 22 of
 ``/proc/<pid>/stat``) name the creating process; the daemon unlinks segments whose creator is
 gone. Segments are created mode 0600 (0660 when the daemon shares a group). A request may only
-reference segments registered on the same connection, inside their registered size. The worker
+reference segments registered on the same connection, inside their registered size; a segment
+belongs to the client that registered it first (its connection, or its secret ``session`` key). The worker
 maps the segment, reads inputs in place and writes outputs once: into the request's ``out``
 region when they fit, otherwise inline. An output that *is* (a view of) an input comes back
 as a descriptor into that input's region, as it would be in-process.
@@ -430,6 +432,17 @@ def parse_segment_list(header: dict, with_sizes: bool) -> list:
             raise bad("register: each segment is [name, size]")
         parsed.append((parse_segment_name(item[0], "segment"), require_uint(item[1], "segment size")))
     return parsed
+
+
+def parse_session(header: dict) -> str | None:
+    """A register message's optional session key: 32 hex digits a client keeps secret, so its
+    other connections (one per thread) may register the same segments."""
+    session = header.get("session")
+    if session is None:
+        return None
+    if not isinstance(session, str) or not re.fullmatch(r"[0-9a-f]{32}", session):
+        raise bad("'session' must be 32 lowercase hex digits")
+    return session
 
 
 def segment_owner(name: str) -> tuple[int, int]:

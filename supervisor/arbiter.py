@@ -267,7 +267,8 @@ class Arbiter:
                 reply = self._hello(index)
             elif kind == "register":
                 self._require_shm(index)
-                self.registry.register((index, frames[0].bytes), protocol.parse_segment_list(header, True))
+                self.registry.register((index, frames[0].bytes), protocol.parse_segment_list(header, True),
+                                       protocol.parse_session(header))
                 reply = {}
             elif kind == "unregister":
                 names = protocol.parse_segment_list(header, False)

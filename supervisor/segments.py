@@ -3,7 +3,9 @@
 The lessons of Triton's CVE-2024-0088 and CVE-2025-23319/23320/23334, where a client could name
 any shared-memory region and any offset:
   * a descriptor may only reference a segment registered on the *same* connection;
-  * a segment belongs to one connection; nobody else may register it;
+  * a segment belongs to the client that registered it first: another connection may register
+    it too only by presenting that client's secret session key (a client's threads each have a
+    connection; a stranger has neither the 128-bit name nor the key);
   * names must be client segment names (``mw.<pid>.<start>.<hex>``), never a path, never one
     whose creator is this daemon or one of its workers;
   * offset and length are checked against the registered size, in Python ints (no overflow),
@@ -28,24 +30,29 @@ class SegmentRegistry:
     def __init__(self, own_pids: Callable[[], set[int]]) -> None:
         self._own_pids = own_pids
         self._by_connection: dict[Connection, dict[str, int]] = {}
-        self._owner: dict[str, Connection] = {}
+        self._owner: dict[str, object] = {}  # segment -> session key of the client owning it
+        self._users: dict[str, set[Connection]] = {}
 
-    def register(self, connection: Connection, items: list[tuple[str, int]]) -> None:
-        """All or nothing: either every segment is registered, or none and ProtocolError."""
+    def register(self, connection: Connection, items: list[tuple[str, int]],
+                 session: str | None = None) -> None:
+        """All or nothing: either every segment is registered, or none and ProtocolError.
+        Without a session key the connection itself is the key."""
+        key = session if session is not None else connection
         mine = self._by_connection.get(connection, {})
         if len(mine) + len(items) > MAX_SEGMENTS_PER_CONNECTION:
             raise bad(f"a connection may register at most {MAX_SEGMENTS_PER_CONNECTION} segments")
         for index, (name, size) in enumerate(items):
-            self._check_registrable(connection, name, size, f"segment {index}")
+            self._check_registrable(key, name, size, f"segment {index}")
         mine = self._by_connection.setdefault(connection, {})
         for name, size in items:
             mine[name] = size
-            self._owner[name] = connection
+            self._owner[name] = key
+            self._users.setdefault(name, set()).add(connection)
 
-    def _check_registrable(self, connection: Connection, name: str, size: int, what: str) -> None:
+    def _check_registrable(self, key: object, name: str, size: int, what: str) -> None:
         owner = self._owner.get(name)
-        if owner is not None and owner != connection:
-            raise bad(f"{what}: segment belongs to another connection")
+        if owner is not None and owner != key:
+            raise bad(f"{what}: segment belongs to another client")
         pid, _ = segment_owner(name)
         if pid in self._own_pids():
             raise bad(f"{what}: segment belongs to the daemon, not to a client")
@@ -58,13 +65,21 @@ class SegmentRegistry:
             raise bad(f"{what}: registered size must be between 1 and the segment's real size")
 
     def unregister(self, connection: Connection, names: list[str]) -> list[str]:
+        """Names no connection uses any more (workers may unmap them)."""
         mine = self._by_connection.get(connection, {})
-        removed = [name for name in names if mine.pop(name, None) is not None]
-        for name in removed:
-            self._owner.pop(name, None)
+        released = []
+        for name in names:
+            if mine.pop(name, None) is None:
+                continue
+            users = self._users.get(name, set())
+            users.discard(connection)
+            if not users:
+                self._users.pop(name, None)
+                self._owner.pop(name, None)
+                released.append(name)
         if not mine:
             self._by_connection.pop(connection, None)
-        return removed
+        return released
 
     def check(self, connection: Connection, region: tuple[str, int, int], what: str) -> None:
         name, offset, nbytes = region
@@ -78,8 +93,8 @@ class SegmentRegistry:
     def forget(self, names: list[str]) -> None:
         """Drop segments that no longer exist (their creator died and the sweeper took them)."""
         for name in names:
-            connection = self._owner.pop(name, None)
-            if connection is not None:
+            self._owner.pop(name, None)
+            for connection in self._users.pop(name, set()):
                 mine = self._by_connection.get(connection, {})
                 mine.pop(name, None)
                 if not mine:

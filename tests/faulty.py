@@ -92,3 +92,29 @@ def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = No
     if fault == "load_error":
         raise RuntimeError("this model refuses to load (test fault)")
     return Faulty(fault, after, only_batch, leak_mb, scale)
+
+
+class Echo(nn.Module):
+    """Returns its inputs in the structure they came in: a tensor, a tuple, or a dict.
+    ``copy=True`` returns fresh tensors (the worker then writes them into the out region);
+    otherwise the very same tensors (outputs alias the inputs). ``delay`` seconds pass before
+    the inputs are read (a window to truncate a segment under the worker)."""
+
+    def __init__(self, copy: bool, delay: float) -> None:
+        super().__init__()
+        self.copy = copy
+        self.delay = delay
+
+    def forward(self, *args, **kwargs):
+        if self.delay:
+            time.sleep(self.delay)  # a slow model: not synchronisation
+        if self.copy:
+            args = tuple(arg.clone() for arg in args)
+            kwargs = {key: value.clone() for key, value in kwargs.items()}
+        if kwargs:
+            return kwargs
+        return args[0] if len(args) == 1 else args
+
+
+def make_echo(copy: bool = False, delay: float = 0.0) -> nn.Module:
+    return Echo(copy, delay)

@@ -85,13 +85,16 @@ def faulty_model(name: str, fault: str = "none", workers: int = 1, **extra: Any)
 class Daemon:
     """The real daemon in a subprocess, on a private runtime directory."""
 
-    def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None) -> None:
+    def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None,
+                 extra_frontends: list[str] = ()) -> None:
         # Short paths: a unix socket path is limited to 107 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
         settings = {"runtime_dir": str(self.dir / "run"), "allow_oversubscription": True,
                     "heartbeat_interval": 0.2, "shm_sweep_interval": 0.5,
                     "python_path": [str(ROOT)]}
         settings.update(daemon or {})
+        if extra_frontends:
+            settings["frontend"] = [f"ipc://{self.dir}/run/frontend.sock", *extra_frontends]
         self.config_path = self.dir / "modelwarden.toml"
         self.config_path.write_text(render_config(settings, models))
         self.log_path = self.dir / "daemon.log"
