@@ -153,7 +153,7 @@ MAX_TENSOR_BYTES = 1 << 48  # no machine has this much memory; keeps all arithme
 MAX_INT = (1 << 63) - 1
 
 SEGMENT_PREFIX = "mw."
-SEGMENT_NAME_RE = re.compile(r"^mw\.([1-9][0-9]{0,9})\.([0-9]{1,20})\.([0-9a-f]{32})$")
+SEGMENT_NAME_RE = re.compile(r"^mw\.([1-9][0-9]{0,9})\.([0-9]{1,20})\.([0-9a-f]{32})\Z")
 
 _UNPACK_LIMITS = dict(
     max_str_len=MAX_HEADER_BYTES,
@@ -326,7 +326,7 @@ def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
     if not isinstance(value, dict):
         raise bad(f"{what}: descriptor must be a map")
     dtype = value.get("dtype")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"{what}: unknown dtype {str(dtype)[:32]!r}; known: {', '.join(DTYPES)}")
     shape = parse_shape(value.get("shape"), what)
     nbytes = tensor_nbytes(dtype, shape)

@@ -9,6 +9,7 @@ GPU workers get cores too, for their host-side threads.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from dataclasses import dataclass
@@ -33,8 +34,8 @@ def plan(settings: Settings, cores: list[int] | None = None) -> dict[str, list[S
     """Every model's slots, or ConfigError naming the key that cannot be satisfied."""
     cores = available_cores() if cores is None else cores
     oversubscribe = settings.daemon.allow_oversubscription
-    cursor = 0
-    used: dict[int, str] = {}
+    used: dict[int, str] = {}  # core -> the first slot given it, for error messages
+    load: collections.Counter = collections.Counter()  # core -> how many slots share it
     placements: dict[str, list[SlotPlacement]] = {}
     total_threads = 0
     for index, model in enumerate(settings.models):
@@ -44,9 +45,10 @@ def plan(settings: Settings, cores: list[int] | None = None) -> dict[str, list[S
             if model.cores is not None:
                 slot_cores = _explicit(model.cores[slot], cores, f"{key}.cores[{slot}]")
             else:
-                slot_cores, cursor = _carve(model.cores_per_worker or 1, cores, cursor,
-                                            oversubscribe, f"{key}.cores_per_worker")
+                slot_cores = _carve(model.cores_per_worker or 1, cores, load, oversubscribe,
+                                    f"{key}.cores_per_worker")
             _claim(slot_cores, used, f"{model.name}#{slot}", oversubscribe, f"{key}.cores[{slot}]")
+            load.update(slot_cores)
             threads = model.threads or len(slot_cores)
             if threads > len(slot_cores):
                 raise ConfigError(f"{key}.threads", f"{threads} threads on {len(slot_cores)} "
@@ -74,17 +76,19 @@ def _explicit(wanted: list[int], cores: list[int], key: str) -> list[int]:
     return sorted(set(wanted))
 
 
-def _carve(count: int, cores: list[int], cursor: int, oversubscribe: bool,
-           key: str) -> tuple[list[int], int]:
+def _carve(count: int, cores: list[int], load: collections.Counter, oversubscribe: bool,
+           key: str) -> list[int]:
+    """The first ``count`` cores nobody has; with oversubscription, the least shared ones."""
     if count > len(cores):
         raise ConfigError(key, f"{count} cores per worker but only {len(cores)} available")
-    if cursor + count > len(cores):
-        if not oversubscribe:
-            raise ConfigError(key, f"not enough cores: {len(cores)} available "
-                              f"({format_cores(cores)}); set daemon.allow_oversubscription = true "
-                              "to share cores")
-        cursor = 0
-    return cores[cursor:cursor + count], cursor + count
+    free = [core for core in cores if not load[core]]
+    if len(free) >= count:
+        return free[:count]
+    if not oversubscribe:
+        raise ConfigError(key, f"not enough cores: {len(cores)} available "
+                          f"({format_cores(cores)}), {len(free)} unassigned; set "
+                          "daemon.allow_oversubscription = true to share cores")
+    return sorted(sorted(cores, key=lambda core: (load[core], core))[:count])
 
 
 def _claim(slot_cores: list[int], used: dict[int, str], owner: str, oversubscribe: bool,

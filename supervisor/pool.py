@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from shared.config import ModelConfig
-from shared.states import BOOTING, STARTUP_FAILURES, WorkerState, check_transition
+from shared.states import (BOOTING, STARTUP_FAILURES, IllegalTransition, WorkerState,
+                           check_transition)
 from supervisor.handle import WorkerHandle, exit_cause
 from supervisor.placement import SlotPlacement
 from supervisor.probes import ProbeJudge, Verdict
@@ -108,7 +109,8 @@ class ModelPool:
         return all(slot.state == S.FATAL and not slot.handles() for slot in self.slots)
 
     def ready_count(self) -> int:
-        return sum(1 for slot in self.slots if slot.display_state == S.READY)
+        """Slots serving now; a slot whose old worker serves while its replacement boots counts."""
+        return sum(1 for slot in self.slots if any(h.state == S.READY for h in slot.handles()))
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -143,15 +145,17 @@ class ModelPool:
             return
         if not handle.alive or new not in (S.LOADING, S.WARMING, S.READY) or new == handle.state:
             return
+        try:
+            check_transition(handle.state, new)
+        except IllegalTransition as exc:  # an out-of-order report: log it, keep the daemon up
+            logger.error("%s: %s", handle.worker_id, exc)
+            return
         handle.info.update({key: value for key, value in info.items() if value is not None})
         if new == S.READY:
             handle.ready_at = self.host.clock()
             handle.probe.baseline_us = info.get("probe_baseline_us")
             handle.probe.due_at = handle.ready_at  # check it (or record golden) straight away
-        try:
-            handle.set_state(new)
-        except Exception as exc:  # an out-of-order report: log it, keep the daemon up
-            logger.error("%s: %s", handle.worker_id, exc)
+        handle.set_state(new)
 
     def _on_state(self, handle: WorkerHandle, old: WorkerState, new: WorkerState) -> None:
         if new != S.READY:
@@ -207,6 +211,7 @@ class ModelPool:
         slot = self.slot_of(handle)
         if handle is slot.previous:
             slot.previous = None
+            self.host.on_slot_fatal(self)  # its replacement may have gone FATAL meanwhile
             return
         if handle is not slot.current:
             return

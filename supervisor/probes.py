@@ -96,7 +96,7 @@ class ProbeJudge:
     def _drift(self, outputs: list[np.ndarray]) -> float | None:
         """The largest absolute difference, if any element is outside the tolerance."""
         for array, golden in zip(outputs, self.golden):
-            a, g = array.astype(np.float64), golden.astype(np.float64)
+            a, g = _widen(array), _widen(golden)
             if not np.all(np.abs(a - g) <= self.config.atol + self.config.rtol * np.abs(g)):
                 return self._max_abs(outputs)
         return None
@@ -105,14 +105,19 @@ class ProbeJudge:
         worst = 0.0
         for array, golden in zip(outputs, self.golden):
             if array.size:
-                diff = np.abs(array.astype(np.float64) - golden.astype(np.float64)).max()
-                worst = max(worst, float(diff))
+                worst = max(worst, float(np.abs(_widen(array) - _widen(golden)).max()))
         return worst
 
     def _too_slow(self, latency_us: int, baseline_us: int) -> bool:
         limit = max(self.config.latency_factor * baseline_us,
                     baseline_us + self.config.latency_slack_ms * 1000)
         return latency_us > limit
+
+
+def _widen(array: np.ndarray) -> np.ndarray:
+    """float64, or complex128 for complex outputs (a cast to float64 would drop the imaginary
+    part, and with it any drift there)."""
+    return array.astype(np.complex128 if array.dtype.kind == "c" else np.float64)
 
 
 def _nonfinite(outputs: list[np.ndarray]) -> str | None:

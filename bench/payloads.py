@@ -1,0 +1,314 @@
+"""Payload transport benchmark: modelwarden against the alternatives, in one run.
+
+    python bench/payloads.py [--quick] [--json PATH]
+
+Round trips of an identity model (forward(x) = x, no copy) for payloads of 1 KiB, 1 MiB and
+64 MiB, single client, sequential. Prints a table (p50, p99, requests/s, MB/s), the ratios the
+targets are stated in, and writes everything as JSON (default bench/results/payloads.json).
+
+Paths measured:
+  mw-shm-fresh    modelwarden, shared memory, an ordinary tensor per call (one copy in)
+  mw-shm-zero     modelwarden, shared memory, a tensor from client.empty() reused (no copy)
+  mw-inline       modelwarden, inline ZeroMQ frames (shared memory off)
+  zmq-reqrep      bare pyzmq REQ/REP between two processes
+  zmq-proxy       the same through a C-level zmq.proxy(ROUTER, DEALER) broker process
+  procpool        concurrent.futures.ProcessPoolExecutor (numpy arrays, pickled)
+  tmp-fresh       torch.multiprocessing queues, a fresh tensor per call
+  tmp-shared      torch.multiprocessing queues, one tensor already in shared memory
+  in-process      calling the model in this process
+  memcpy          one copy of the payload (numpy copyto into a preallocated buffer)
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SIZES = {"1KiB": 1024, "1MiB": 1024**2, "64MiB": 64 * 1024**2}
+ITERATIONS = {"1KiB": 2000, "1MiB": 300, "64MiB": 40}
+QUICK = {"1KiB": 300, "1MiB": 40, "64MiB": 8}
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+
+def measure(call, iterations: int, warmup: int = 3) -> dict:
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(iterations):
+        started = time.perf_counter_ns()
+        call()
+        samples.append(time.perf_counter_ns() - started)
+    samples.sort()
+    p50 = samples[len(samples) // 2] / 1000
+    p99 = samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000
+    return {"p50_us": round(p50, 1), "p99_us": round(p99, 1),
+            "rps": round(1e9 / statistics.fmean(samples), 1), "n": iterations}
+
+
+def payload(nbytes: int) -> torch.Tensor:
+    count = nbytes // 4
+    shape = (4096, count // 4096) if count >= 4096 * 4096 else (count,)
+    return torch.randn(shape)
+
+
+# -- the alternatives, each in its own processes ------------------------------------------------
+
+
+def _rep_server(endpoint: str) -> None:
+    sock = zmq.Context().socket(zmq.REP)
+    sock.connect(endpoint) if "backend" in endpoint else sock.bind(endpoint)
+    while True:
+        sock.send(sock.recv(copy=False), copy=False)
+
+
+def _proxy(frontend: str, backend: str) -> None:
+    context = zmq.Context()
+    front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    front.bind(frontend)
+    back.bind(backend)
+    zmq.proxy(front, back)
+
+
+def _identity(x):
+    return x
+
+
+def _tmp_echo(inbox, outbox) -> None:
+    while True:
+        item = inbox.get()
+        if item is None:
+            return
+        outbox.put(item)
+
+
+def bench_zmq(workdir: Path, spawn, sizes, iterations) -> dict:
+    results = {"zmq-reqrep": {}, "zmq-proxy": {}}
+    direct = f"ipc://{workdir}/direct.sock"
+    front, back = f"ipc://{workdir}/front.sock", f"ipc://{workdir}/backend.sock"
+    processes = [spawn.Process(target=_rep_server, args=(direct,), daemon=True),
+                 spawn.Process(target=_proxy, args=(front, back), daemon=True),
+                 spawn.Process(target=_rep_server, args=(back,), daemon=True)]
+    for process in processes:
+        process.start()
+    context = zmq.Context()
+    try:
+        for name, endpoint in (("zmq-reqrep", direct), ("zmq-proxy", front)):
+            sock = context.socket(zmq.REQ)
+            sock.connect(endpoint)
+            for size, nbytes in sizes.items():
+                data = np.random.default_rng(0).bytes(nbytes)
+
+                def call(sock=sock, data=data):
+                    sock.send(data, copy=False)
+                    sock.recv(copy=False)
+
+                results[name][size] = measure(call, iterations[size], warmup=20)
+            sock.close(0)
+    finally:
+        for process in processes:
+            process.kill()
+        context.term()
+    return results
+
+
+def bench_procpool(spawn, sizes, iterations) -> dict:
+    out = {}
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        for size, nbytes in sizes.items():
+            array = np.random.default_rng(0).standard_normal(nbytes // 8)
+            out[size] = measure(lambda: pool.submit(_identity, array).result(),
+                                max(5, iterations[size] // 4))
+    return out
+
+
+def bench_torch_mp(sizes, iterations) -> dict:
+    import torch.multiprocessing as tmp
+
+    context = tmp.get_context("spawn")
+    inbox, outbox = context.Queue(), context.Queue()
+    process = context.Process(target=_tmp_echo, args=(inbox, outbox), daemon=True)
+    process.start()
+    results = {"tmp-fresh": {}, "tmp-shared": {}}
+    try:
+        for size, nbytes in sizes.items():
+            def fresh(nbytes=nbytes):
+                inbox.put(torch.empty(nbytes // 4).fill_(1.0))
+                outbox.get()
+
+            shared = payload(nbytes).share_memory_()
+
+            def already_shared(shared=shared):
+                inbox.put(shared)
+                outbox.get()
+
+            results["tmp-fresh"][size] = measure(fresh, max(5, iterations[size] // 2))
+            results["tmp-shared"][size] = measure(already_shared, iterations[size])
+    finally:
+        inbox.put(None)
+        process.join(10)
+    return results
+
+
+def bench_local(sizes, iterations) -> dict:
+    from examples.models import make_identity
+
+    model = make_identity()
+    results = {"in-process": {}, "memcpy": {}}
+    for size, nbytes in sizes.items():
+        x = payload(nbytes)
+        source = np.random.default_rng(0).standard_normal(nbytes // 8)
+        target = np.empty_like(source)
+        with torch.inference_mode():
+            results["in-process"][size] = measure(lambda: model(x), iterations[size])
+        results["memcpy"][size] = measure(lambda: np.copyto(target, source), iterations[size])
+    return results
+
+
+# -- modelwarden ---------------------------------------------------------------------------------
+
+
+CONFIG = """
+[daemon]
+runtime_dir = "{runtime}"
+heartbeat_interval = 1.0
+log_level = "WARNING"
+
+[[models]]
+name = "identity"
+source = "python:examples.models:make_identity"
+workers = 1
+threads = 1
+warmup = 0
+[models.probe]
+interval = 0.0
+"""
+
+
+def start_daemon(workdir: Path) -> subprocess.Popen:
+    config = workdir / "bench.toml"
+    config.write_text(CONFIG.format(runtime=workdir / "run"))
+    daemon = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
+                              cwd=ROOT)
+    from shared.client import Client
+
+    with Client(f"ipc://{workdir}/run/frontend.sock", timeout=2) as client:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                client.infer("identity", torch.zeros(1), timeout=2)
+                return daemon
+            except Exception:
+                if time.monotonic() > deadline or daemon.poll() is not None:
+                    raise RuntimeError("the daemon did not come up") from None
+
+
+def bench_modelwarden(workdir: Path, sizes, iterations) -> dict:
+    from shared.client import Client
+
+    daemon = start_daemon(workdir)
+    endpoint = f"ipc://{workdir}/run/frontend.sock"
+    results = {"mw-shm-fresh": {}, "mw-shm-zero": {}, "mw-inline": {}}
+    try:
+        with Client(endpoint) as shared, Client(endpoint, shm=False) as inline:
+            for size, nbytes in sizes.items():
+                x = payload(nbytes)
+                zero = shared.empty(x.shape)
+                zero.copy_(x)
+                results["mw-shm-fresh"][size] = measure(lambda: shared.infer("identity", x), iterations[size])
+                results["mw-shm-zero"][size] = measure(lambda: shared.infer("identity", zero), iterations[size])
+                results["mw-inline"][size] = measure(lambda: inline.infer("identity", x), iterations[size])
+                check = shared.infer("identity", x)
+                if not torch.equal(check, x):
+                    raise AssertionError(f"identity changed the payload at {size}")
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    return results
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def ratios(results: dict) -> list[dict]:
+    def p50(path, size):
+        return results[path][size]["p50_us"]
+
+    checks = [
+        ("fresh 64MiB <= 3x memcpy 64MiB", p50("mw-shm-fresh", "64MiB") / p50("memcpy", "64MiB"), "<=", 3.0),
+        ("tmp fresh 64MiB / fresh 64MiB >= 5", p50("tmp-fresh", "64MiB") / p50("mw-shm-fresh", "64MiB"), ">=", 5.0),
+        ("inline 64MiB / fresh 64MiB >= 5", p50("mw-inline", "64MiB") / p50("mw-shm-fresh", "64MiB"), ">=", 5.0),
+        ("zero-copy 64MiB <= 2x our 1KiB", p50("mw-shm-zero", "64MiB") / p50("mw-shm-fresh", "1KiB"), "<=", 2.0),
+        ("zero-copy 64MiB < tmp already-shared", p50("mw-shm-zero", "64MiB") / p50("tmp-shared", "64MiB"), "<", 1.0),
+        ("our 1KiB <= 1.2x zmq.proxy 1KiB", p50("mw-shm-fresh", "1KiB") / p50("zmq-proxy", "1KiB"), "<=", 1.2),
+    ]
+    report = []
+    for name, value, op, target in checks:
+        met = value <= target if op == "<=" else (value >= target if op == ">=" else value < target)
+        report.append({"target": name, "ratio": round(value, 3), "op": op, "bound": target, "met": met})
+    return report
+
+
+def print_table(results: dict, sizes) -> None:
+    print(f"{'path':14s} {'size':>6s} {'p50':>11s} {'p99':>11s} {'req/s':>9s} {'MB/s':>9s}")
+    for path, by_size in results.items():
+        for size in sizes:
+            row = by_size.get(size)
+            if row is None:
+                continue
+            mbps = row["rps"] * SIZES[size] / 1e6
+            print(f"{path:14s} {size:>6s} {row['p50_us']:>9.1f}us {row['p99_us']:>9.1f}us "
+                  f"{row['rps']:>9.1f} {mbps:>9.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "payloads.json"))
+    args = parser.parse_args()
+    iterations = QUICK if args.quick else ITERATIONS
+    spawn = multiprocessing.get_context("spawn")
+    workdir = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
+    results: dict = {}
+    try:
+        results.update(bench_modelwarden(workdir, SIZES, iterations))
+        results.update(bench_zmq(workdir, spawn, SIZES, iterations))
+        results.update(bench_torch_mp(SIZES, iterations))
+        results["procpool"] = bench_procpool(spawn, SIZES, iterations)
+        results.update(bench_local(SIZES, iterations))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(results, SIZES)
+    report = ratios(results)
+    print()
+    for row in report:
+        print(f"{'MET ' if row['met'] else 'MISS'} {row['target']:42s} ratio {row['ratio']:.3f} "
+              f"(target {row['op']} {row['bound']})")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"machine": {"cpus": os.cpu_count(),
+                                                       "torch": torch.__version__},
+                                           "results": results, "targets": report}, indent=2))
+    print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""A load generator for tests and the soak bench: N client threads, every answer accounted for.
+
+The contract it checks is the daemon's: every request gets exactly one answer, a right result
+or a typed error; ``sent == ok + errors`` always, and ``wrong == 0``.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from shared.client import Client, RemoteError
+
+
+@dataclass
+class Counts:
+    sent: int = 0
+    ok: int = 0
+    wrong: int = 0
+    errors: collections.Counter = field(default_factory=collections.Counter)
+    unexpected: list = field(default_factory=list)  # exceptions that are not RemoteErrors
+
+    @property
+    def failed(self) -> int:
+        return sum(self.errors.values())
+
+    def reconciles(self) -> bool:
+        return self.sent == self.ok + self.failed and not self.unexpected
+
+    def merge(self, other: "Counts") -> None:
+        self.sent += other.sent
+        self.ok += other.ok
+        self.wrong += other.wrong
+        self.errors.update(other.errors)
+        self.unexpected.extend(other.unexpected)
+
+    def __str__(self) -> str:
+        return (f"sent={self.sent} ok={self.ok} wrong={self.wrong} errors={dict(self.errors)} "
+                f"unexpected={self.unexpected[:3]}")
+
+
+def run_load(endpoint: str, model: str, reference: Callable, clients: int = 4,
+             requests: int = 100, features: int = 8, timeout: float = 60.0,
+             make_input: Callable | None = None, stop: threading.Event | None = None) -> Counts:
+    """Each of ``clients`` threads sends ``requests`` requests (or until ``stop`` is set)."""
+    total = Counts()
+    lock = threading.Lock()
+
+    def one_client(seed: int) -> None:
+        rng = random.Random(seed)
+        counts = Counts()
+        with Client(endpoint, timeout=timeout) as client:
+            for _ in range(requests):
+                if stop is not None and stop.is_set():
+                    break
+                x = make_input(rng) if make_input else torch.randn(rng.randint(2, 6), features)
+                counts.sent += 1
+                try:
+                    y = client.infer(model, x)
+                except RemoteError as exc:
+                    counts.errors[exc.code] += 1
+                    continue
+                except Exception as exc:  # anything else breaks the contract
+                    counts.unexpected.append(repr(exc))
+                    continue
+                counts.ok += 1
+                expected = reference(x)
+                if expected is not None and not torch.allclose(y, expected, rtol=1e-4, atol=1e-5):
+                    counts.wrong += 1
+        with lock:
+            total.merge(counts)
+
+    threads = [threading.Thread(target=one_client, args=(seed,)) for seed in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return total

@@ -1,0 +1,570 @@
+"""Unit tests of supervisor/pool.py's restart policy, replacement and routing, against a small
+fake host (no processes, no sockets; a fake clock drives real Timers).
+
+Safety: the code paths that signal a worker (terminate, the kill-grace timer) are never reached:
+kill_grace is huge, ``tick`` is never called, and the fake pids lie far above any pid_max, so even
+a stray os.kill would find no process.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from shared.config import ModelConfig, WorkerSpec
+from shared.states import EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERROR
+from shared.states import WorkerState as S
+from supervisor.handle import WorkerHandle
+from supervisor.placement import SlotPlacement
+from supervisor.pool import ModelPool
+from supervisor.probes import ProbeJudge, Verdict
+from supervisor.timers import Timers
+
+SIGKILLED = -9
+SIGSEGV = -11
+NEVER = 1e9  # kill_grace / drain_timeout: no kill timer ever comes due in these tests
+
+
+class FakeProcess:
+    """Stands in for multiprocessing.Process; nothing in the pool touches it."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+
+class FakeHost:
+    """What ModelPool needs from the Arbiter, recording every call."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.timers = Timers()
+        self.now = 1000.0
+        self.launched: list[WorkerHandle] = []
+        self.dispatched: list[ModelPool] = []
+        self.stopped: list[WorkerHandle] = []
+        self.recovered: list[WorkerHandle] = []
+        self.fatal: list[bool] = []  # pool.all_fatal() at each on_slot_fatal call
+        self._pids = itertools.count(2_000_000_000)  # > any pid_max (at most 2**22)
+
+    def clock(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> int:
+        self.now += seconds
+        return self.timers.run_due(self.now)
+
+    def worker_spec(self, config, slot, generation, placement) -> WorkerSpec:
+        return WorkerSpec(model=config, slot=slot, generation=generation, cores=placement.cores,
+                          threads=placement.threads, device=placement.device,
+                          backend="ipc:///nonexistent/backend.sock", supervisor_pid=1,
+                          base_dir="/nonexistent")
+
+    def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:
+        pid = next(self._pids)
+        handle = WorkerHandle(spec, FakeProcess(pid), pid, sentinel=pid, started_at=self.now,
+                              on_state=on_state, last_seen=self.now)
+        self.launched.append(handle)
+        return handle
+
+    def dispatch(self, pool: ModelPool) -> None:
+        self.dispatched.append(pool)
+
+    def send_stop(self, handle: WorkerHandle) -> None:
+        self.stopped.append(handle)
+
+    def recover_requests(self, pool: ModelPool, handle: WorkerHandle) -> None:
+        self.recovered.append(handle)
+        handle.inflight.clear()
+
+    def on_slot_fatal(self, pool: ModelPool) -> None:
+        self.fatal.append(pool.all_fatal())
+
+
+def make_pool(host: FakeHost, workers: int = 1, **overrides) -> ModelPool:
+    fields = dict(name="m", source="python:pkg.mod:build", warmup=0, workers=workers,
+                  kill_grace=NEVER, drain_timeout=NEVER, start_seconds=10.0,
+                  max_start_failures=5, backoff_initial=0.5, backoff_max=30.0)
+    fields.update(overrides)
+    config = ModelConfig(**fields)
+    placements = [SlotPlacement([index], 1, "cpu") for index in range(workers)]
+    return ModelPool(config, placements, host, ProbeJudge(config.probe))
+
+
+def ready(pool: ModelPool, handle: WorkerHandle) -> None:
+    for state in ("LOADING", "WARMING", "READY"):
+        pool.on_worker_state(handle, state, {})
+    assert handle.state == S.READY
+
+
+def exit_with(pool: ModelPool, handle: WorkerHandle, code: int) -> None:
+    handle.exitcode = code
+    pool.on_exit(handle)
+
+
+@pytest.fixture
+def host() -> FakeHost:
+    return FakeHost()
+
+
+# -- starting -----------------------------------------------------------------------------------
+
+
+def test_start_all_launches_one_worker_per_slot(host):
+    pool = make_pool(host, workers=3)
+    pool.start_all()
+    assert len(host.launched) == 3
+    assert [h.spec.slot for h in host.launched] == [0, 1, 2]
+    assert [h.spec.cores for h in host.launched] == [[0], [1], [2]]
+    assert all(slot.state == S.STARTING and slot.generation == 1 for slot in pool.slots)
+    assert pool.ready() == [] and pool.least_loaded() is None
+
+
+def test_ready_report_makes_a_worker_serve_and_dispatches(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    pool.on_worker_state(handle, "LOADING", {"pid": 5})
+    pool.on_worker_state(handle, "WARMING", {})
+    assert pool.ready() == [] and host.dispatched == []
+    host.now += 3
+    pool.on_worker_state(handle, "READY", {"threads": 1, "probe_baseline_us": 250})
+    assert pool.ready() == [handle]
+    assert handle.ready_at == host.now
+    assert handle.probe.baseline_us == 250
+    assert handle.info == {"pid": 5, "threads": 1, "probe_baseline_us": 250}
+    assert host.dispatched == [pool]
+    assert pool.ready_count() == 1
+
+
+def test_unknown_or_repeated_state_reports_are_ignored(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    pool.on_worker_state(handle, "BANANA", {})
+    pool.on_worker_state(handle, "DRAINING", {})
+    assert handle.state == S.STARTING
+    pool.on_worker_state(handle, "LOADING", {})
+    pool.on_worker_state(handle, "LOADING", {})
+    assert handle.state == S.LOADING
+
+
+def test_spawn_does_nothing_while_stopping(host):
+    pool = make_pool(host)
+    host.stopping = True
+    pool.start_all()
+    assert host.launched == []
+    assert pool.slots[0].state == S.STOPPED
+
+
+# -- failed starts: backoff and FATAL -----------------------------------------------------------
+
+
+def test_failed_starts_back_off_exponentially_then_go_fatal(host):
+    pool = make_pool(host, backoff_initial=1.0, backoff_max=5.0, max_start_failures=6)
+    pool.start_all()
+    slot = pool.slots[0]
+    for failure, delay in enumerate([1.0, 2.0, 4.0, 5.0, 5.0], start=1):
+        exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+        assert slot.state == S.BACKOFF
+        assert slot.start_failures == failure
+        assert slot.current is None
+        assert slot.backoff_until == host.now + delay
+        assert slot.last_exit == "exit 4 (model load error)"
+        launched = len(host.launched)
+        assert host.advance(delay - 0.001) == 0
+        assert len(host.launched) == launched, f"restarted before the {delay}s backoff"
+        assert host.advance(0.001) == 1
+        assert len(host.launched) == launched + 1
+        assert slot.state == S.STARTING and slot.current is host.launched[-1]
+        assert slot.generation == failure + 1
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)  # the sixth failed start
+    assert slot.state == S.FATAL
+    assert host.fatal == [True]
+    assert pool.all_fatal()
+    assert len(host.timers) == 0
+    host.advance(10_000)
+    assert len(host.launched) == 6  # FATAL stays down
+    assert slot.restarts == 6
+
+
+def test_default_backoff_sequence_and_fatal_after_five(host):
+    pool = make_pool(host)  # backoff_initial 0.5, cap 30, max_start_failures 5
+    pool.start_all()
+    slot = pool.slots[0]
+    delays = []
+    for _ in range(4):
+        exit_with(pool, slot.current, EXIT_WARMUP_ERROR)
+        delays.append(slot.backoff_until - host.now)
+        host.advance(delays[-1])
+    assert delays == [0.5, 1.0, 2.0, 4.0]
+    exit_with(pool, slot.current, EXIT_WARMUP_ERROR)
+    assert slot.state == S.FATAL and host.fatal == [True]
+
+
+def test_backoff_is_capped_at_backoff_max(host):
+    pool = make_pool(host, backoff_initial=10.0, backoff_max=15.0, max_start_failures=10)
+    pool.start_all()
+    slot = pool.slots[0]
+    delays = []
+    for _ in range(4):
+        exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+        delays.append(slot.backoff_until - host.now)
+        host.advance(delays[-1])
+    assert delays == [10.0, 15.0, 15.0, 15.0]
+
+
+def test_death_before_ready_is_a_failed_start_however_long_it_lived(host):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    pool.on_worker_state(slot.current, "LOADING", {})
+    host.now += 120  # far beyond start_seconds, but it never got READY
+    exit_with(pool, slot.current, SIGKILLED)
+    assert slot.current is None
+    assert slot.state == S.BACKOFF and slot.start_failures == 1
+    assert slot.last_exit == "SIGKILL"
+    assert len(host.launched) == 1
+    assert host.recovered == [host.launched[0]]
+    assert host.launched[0].state == S.DEAD
+
+
+def test_crash_soon_after_ready_is_a_failed_start(host):
+    pool = make_pool(host, start_seconds=10.0)
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    host.now += 9.5
+    exit_with(pool, handle, SIGSEGV)
+    assert pool.slots[0].state == S.BACKOFF and pool.slots[0].start_failures == 1
+
+
+def test_load_error_exit_code_is_a_failed_start_even_after_a_long_ready_run(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    host.now += 3600
+    exit_with(pool, handle, EXIT_LOAD_ERROR)
+    assert pool.slots[0].state == S.BACKOFF and pool.slots[0].start_failures == 1
+
+
+def test_crash_after_a_good_start_restarts_at_once_and_resets_the_count(host):
+    pool = make_pool(host, start_seconds=10.0)
+    pool.start_all()
+    slot = pool.slots[0]
+    for _ in range(3):  # three failed starts first
+        exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+        host.advance(slot.backoff_until - host.now)
+    assert slot.start_failures == 3 and len(host.launched) == 4
+    handle = slot.current
+    ready(pool, handle)
+    host.now += 10.5
+    exit_with(pool, handle, SIGKILLED)
+    assert slot.start_failures == 0
+    assert slot.state == S.STARTING
+    assert len(host.launched) == 5 and slot.current is host.launched[-1]  # no backoff wait
+    assert slot.backoff_timer is None and len(host.timers) == 0
+    assert slot.restarts == 4
+    assert slot.last_exit == "SIGKILL"
+    # and the next failed start backs off from the initial delay again
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.start_failures == 1 and slot.backoff_until - host.now == 0.5
+
+
+def test_unexpected_clean_exit_of_a_serving_worker_is_restarted(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    host.now += 60
+    exit_with(pool, handle, EXIT_OK)
+    assert handle.state == S.DEAD  # it was not asked to stop
+    assert pool.slots[0].state == S.STARTING and len(host.launched) == 2
+
+
+def test_exit_while_stopping_does_not_restart(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    host.stopping = True
+    exit_with(pool, handle, SIGKILLED)
+    assert pool.slots[0].state == S.STOPPED
+    assert len(host.launched) == 1 and len(host.timers) == 0
+
+
+def test_restart_revives_a_fatal_slot(host):
+    pool = make_pool(host, max_start_failures=2)
+    pool.start_all()
+    slot = pool.slots[0]
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    host.advance(10)
+    slot.current.failure = "ImportError: no module named pkg"
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.state == S.FATAL and slot.failure == "ImportError: no module named pkg"
+    assert pool.restart() == ["m#0"]
+    assert slot.state == S.STARTING
+    assert slot.start_failures == 0 and slot.failure is None
+    assert slot.current is host.launched[-1] and len(host.launched) == 3
+    assert not pool.all_fatal()
+    # the count starts over: one failure backs off rather than going FATAL again
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.state == S.BACKOFF and slot.start_failures == 1
+
+
+def test_restart_during_backoff_starts_now_and_cancels_the_pending_start(host):
+    pool = make_pool(host, backoff_initial=5.0)
+    pool.start_all()
+    slot = pool.slots[0]
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.state == S.BACKOFF
+    assert pool.restart() == ["m#0"]
+    assert len(host.launched) == 2 and slot.state == S.STARTING
+    assert slot.backoff_timer is None and slot.backoff_until is None
+    host.advance(100)
+    assert len(host.launched) == 2  # the old backoff timer did not start a second worker
+
+
+def test_restart_leaves_booting_workers_alone_and_replaces_ready_ones(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    first, second = host.launched
+    ready(pool, first)
+    assert pool.restart() == ["m#0"]
+    assert first.retiring == "restart command" and first.state == S.READY
+    assert pool.slots[0].previous is first
+    assert second.state == S.STARTING and second.retiring is None
+    assert len(host.launched) == 3
+
+
+# -- replacement --------------------------------------------------------------------------------
+
+
+def test_replace_keeps_the_old_worker_serving_until_the_new_one_is_ready(host):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    old = slot.current
+    ready(pool, old)
+    assert pool.replace(old, "test") is True
+    new = slot.current
+    assert new is not old and new is host.launched[-1]
+    assert slot.previous is old and old.retiring == "test"
+    assert new.spec.generation == 2 and new.spec.slot == 0
+    for state in ("LOADING", "WARMING"):
+        pool.on_worker_state(new, state, {})
+        assert old.state == S.READY
+        assert pool.ready() == [old] and pool.least_loaded() is old
+        assert host.stopped == []
+    pool.on_worker_state(new, "READY", {})
+    assert old.state == S.DRAINING
+    assert old.drain_deadline == host.now + NEVER
+    assert host.stopped == [old]  # it held nothing: told to stop at once
+    assert pool.ready() == [new] and pool.least_loaded() is new
+    exit_with(pool, old, EXIT_OK)
+    assert old.state == S.STOPPED
+    assert slot.previous is None and slot.current is new
+    assert len(host.launched) == 2  # the old one's exit restarts nothing
+    assert slot.state == S.STARTING  # the slot is still responsible for the new one
+
+
+def test_replaced_worker_with_requests_stops_only_once_idle(host):
+    pool = make_pool(host, max_inflight=4)
+    pool.start_all()
+    old = host.launched[0]
+    ready(pool, old)
+    old.inflight = {1: "request-1", 2: "request-2"}
+    pool.replace(old, "test")
+    new = host.launched[-1]
+    ready(pool, new)
+    assert old.state == S.DRAINING and host.stopped == []
+    assert pool.least_loaded() is new  # a draining worker gets nothing new
+    del old.inflight[1]
+    pool.after_result(old)
+    assert host.stopped == []
+    del old.inflight[2]
+    pool.after_result(old)
+    assert host.stopped == [old]
+    pool.after_result(old)
+    assert host.stopped == [old]  # told once only
+
+
+def test_replace_refuses_what_it_cannot_replace(host):
+    pool = make_pool(host)
+    pool.start_all()
+    booting = host.launched[0]
+    assert pool.replace(booting, "not ready yet") is False
+    ready(pool, booting)
+    assert pool.replace(booting, "first") is True
+    assert pool.replace(booting, "again") is False  # already retiring / not current
+    new = host.launched[-1]
+    ready(pool, new)
+    host.stopping = True
+    assert pool.replace(new, "while stopping") is False
+    assert len(host.launched) == 2
+
+
+def test_replacement_failing_to_start_leaves_the_old_worker_serving(host):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    old = slot.current
+    ready(pool, old)
+    pool.replace(old, "test")
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.state == S.BACKOFF
+    assert old.state == S.READY and pool.least_loaded() is old
+    host.advance(slot.backoff_until - host.now)
+    new = slot.current
+    assert new is host.launched[-1] and slot.previous is old
+    ready(pool, new)
+    assert old.state == S.DRAINING and host.stopped == [old]
+
+
+def test_old_worker_dying_during_replacement_does_not_disturb_the_new_one(host):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    old = slot.current
+    ready(pool, old)
+    pool.replace(old, "test")
+    new = slot.current
+    exit_with(pool, old, SIGKILLED)
+    assert old.state == S.DEAD and slot.previous is None
+    assert slot.current is new and slot.state == S.STARTING
+    assert len(host.launched) == 2 and slot.start_failures == 0
+    ready(pool, new)
+    assert host.stopped == []
+
+
+def test_last_worker_of_a_fatal_slot_leaving_reports_the_pool_fatal(host):
+    pool = make_pool(host, max_start_failures=2)
+    pool.start_all()
+    slot = pool.slots[0]
+    old = slot.current
+    ready(pool, old)
+    pool.replace(old, "probes failing")
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    host.advance(slot.backoff_until - host.now)
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.state == S.FATAL
+    assert host.fatal == [False]  # the old worker still serves
+    exit_with(pool, old, SIGKILLED)
+    assert pool.all_fatal()
+    assert host.fatal[-1] is True
+
+
+def test_rejected_ready_report_does_not_count_as_a_good_start(host):
+    pool = make_pool(host, start_seconds=10.0)
+    pool.start_all()
+    slot = pool.slots[0]
+    handle = slot.current
+    pool.on_worker_state(handle, "READY", {})  # out of order: STARTING -> READY is illegal
+    assert handle.state == S.STARTING
+    host.now += 400
+    exit_with(pool, handle, -15)  # killed by the start timeout
+    assert slot.state == S.BACKOFF and slot.start_failures == 1
+
+
+# -- probes -------------------------------------------------------------------------------------
+
+
+def test_three_failed_probes_in_a_row_replace_the_worker(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    for count in (1, 2):
+        pool.record_probe(handle, Verdict(False, "drifted from golden by 0.5", 0.5))
+        assert handle.probe.consecutive_failures == count
+        assert handle.retiring is None and len(host.launched) == 1
+    assert handle.probe.drift == 0.5 and handle.probe.last_ok is False
+    assert handle.probe.due_at == host.now + pool.config.probe.interval
+    pool.record_probe(handle, Verdict(False, "drifted from golden by 0.7", 0.7))
+    assert handle.retiring is not None and "3 failed probes" in handle.retiring
+    assert pool.slots[0].previous is handle
+    assert len(host.launched) == 2
+    assert handle.state == S.READY  # still serving until the replacement is READY
+    pool.record_probe(handle, Verdict(False, "still bad"))  # a fourth failure: no second replacement
+    assert len(host.launched) == 2
+
+
+def test_alternating_probe_results_never_replace(host):
+    pool = make_pool(host)
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    for _ in range(20):
+        pool.record_probe(handle, Verdict(False, "bad"))
+        pool.record_probe(handle, Verdict(False, "bad"))
+        pool.record_probe(handle, Verdict(True, "ok", 0.0))
+        assert handle.probe.consecutive_failures == 0
+    assert handle.retiring is None and len(host.launched) == 1
+    assert handle.probe.last_ok is True and handle.probe.last_reason == "ok"
+
+
+def test_probe_failures_threshold_comes_from_config(host):
+    pool = make_pool(host, probe={"failures": 1})
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    pool.record_probe(handle, Verdict(False, "bad"))
+    assert handle.retiring is not None and len(host.launched) == 2
+
+
+# -- routing ------------------------------------------------------------------------------------
+
+
+def three_ready(host: FakeHost, **overrides) -> tuple[ModelPool, list[WorkerHandle]]:
+    pool = make_pool(host, workers=3, **overrides)
+    pool.start_all()
+    for handle in host.launched:
+        ready(pool, handle)
+    return pool, list(host.launched)
+
+
+def test_least_loaded_prefers_fewer_requests_in_flight(host):
+    pool, (a, b, c) = three_ready(host, max_inflight=3)
+    a.inflight = {1: "r", 2: "r"}
+    b.inflight = {3: "r"}
+    c.inflight = {4: "r", 5: "r"}
+    assert pool.least_loaded() is b
+    b.inflight[6] = "r"
+    b.inflight[7] = "r"  # b is full now
+    a.last_dispatch, c.last_dispatch = 2.0, 1.0
+    assert pool.least_loaded() is c
+    a.inflight[8] = "r"
+    c.inflight[9] = "r"
+    assert pool.least_loaded() is None  # nobody has room
+
+
+def test_least_loaded_avoids_suspect_workers_while_others_have_room(host):
+    pool, (a, b, c) = three_ready(host, max_inflight=4)
+    b.inflight = {1: "r", 2: "r"}
+    c.inflight = {3: "r", 4: "r", 5: "r"}
+    a.probe.consecutive_failures = 1
+    assert pool.least_loaded() is b  # busier, but its probes pass
+    b.retiring = "being replaced"
+    assert pool.least_loaded() is c
+    c.inflight[6] = "r"  # c is full: only suspects have room
+    assert pool.least_loaded() is a
+
+
+def test_least_loaded_breaks_ties_by_least_recent_dispatch(host):
+    pool, (a, b, c) = three_ready(host)
+    a.last_dispatch, b.last_dispatch, c.last_dispatch = 30.0, 10.0, 20.0
+    assert pool.least_loaded() is b
+    b.last_dispatch = 40.0
+    assert pool.least_loaded() is c
+
+
+def test_least_loaded_ignores_workers_that_are_not_ready(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    a, b = host.launched
+    pool.on_worker_state(a, "LOADING", {})
+    ready(pool, b)
+    b.last_dispatch = 1e9
+    assert pool.least_loaded() is b
+    assert pool.ready() == [b] and pool.ready_count() == 1

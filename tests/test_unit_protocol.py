@@ -1,0 +1,580 @@
+"""Unit tests of the wire protocol's validators (shared/protocol.py): no daemon, no sockets.
+
+Every hostile input must come back as ProtocolError(BAD_REQUEST), never as another exception,
+and an error about a segment must never echo the segment's name.
+"""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import zmq
+
+from shared import protocol
+from shared.protocol import (
+    BAD_REQUEST,
+    MAX_HEADER_BYTES,
+    MAX_SEGMENTS_PER_MESSAGE,
+    MAX_TENSOR_BYTES,
+    MAX_TENSORS,
+    MAX_TREE_DEPTH,
+    SIGNATURE,
+    ProtocolError,
+    TensorDesc,
+    check_tree,
+    parse_infer,
+    parse_region,
+    parse_segment_list,
+    parse_tensor_desc,
+    split_router_message,
+    tensor_nbytes,
+    unpack_header,
+)
+
+SEG = "mw.123.456." + "0123456789abcdef" * 2
+SEG2 = "mw.4242.99." + "fedcba9876543210" * 2
+
+
+def rejected(call, *args, **kwargs) -> ProtocolError:
+    """Run ``call`` and insist it refuses with BAD_REQUEST (any other exception fails the test)."""
+    with pytest.raises(ProtocolError) as info:
+        call(*args, **kwargs)
+    assert info.value.code == BAD_REQUEST, info.value.code
+    assert info.value.message == str(info.value)
+    return info.value
+
+
+def infer_header(**changes) -> dict:
+    header = {
+        "type": "infer",
+        "id": 7,
+        "model": "mlp",
+        "inputs": [0, {"dict": {"w": 1}}],
+        "tensors": [
+            {"dtype": "float32", "shape": [2, 3], "frame": 0},
+            {"dtype": "int64", "shape": [4], "shm": [SEG, 64, 32]},
+        ],
+    }
+    header.update(changes)
+    return header
+
+
+# -- parse_infer --------------------------------------------------------------------------------
+
+
+def test_parse_infer_accepts_a_valid_request_with_inline_and_shm_tensors():
+    request = parse_infer(infer_header(timeout_ms=1500, out=[SEG2, 0, 4096]), n_frames=1)
+    assert request.id == 7
+    assert request.model == "mlp"
+    assert request.tree == [0, {"dict": {"w": 1}}]
+    assert request.timeout_ms == 1500
+    assert request.out == (SEG2, 0, 4096)
+    assert request.tensors == [
+        TensorDesc("float32", (2, 3), 24, frame=0),
+        TensorDesc("int64", (4,), 32, shm=(SEG, 64, 32)),
+    ]
+    assert request.segments() == {SEG, SEG2}
+
+
+def test_parse_infer_accepts_string_ids_and_no_optional_fields():
+    request = parse_infer(infer_header(id="req-" + "x" * 124), n_frames=1)
+    assert request.id == "req-" + "x" * 124
+    assert request.timeout_ms is None and request.out is None
+    assert request.segments() == {SEG}
+
+
+def test_parse_infer_accepts_a_request_without_tensors():
+    request = parse_infer(infer_header(inputs=[], tensors=[]), n_frames=0)
+    assert request.tensors == [] and request.tree == []
+
+
+def test_inline_frames_are_numbered_in_order_across_shm_descriptors():
+    tensors = [
+        {"dtype": "float32", "shape": [1], "frame": 0},
+        {"dtype": "float32", "shape": [1], "shm": [SEG, 0, 4]},
+        {"dtype": "float32", "shape": [1], "frame": 1},
+    ]
+    request = parse_infer(infer_header(inputs=[0, 1, 2], tensors=tensors), n_frames=2)
+    assert [desc.frame for desc in request.tensors] == [0, None, 1]
+
+
+@pytest.mark.parametrize("changes, n_frames", [
+    ({"id": True}, 1),  # a bool is not an int id
+    ({"id": None}, 1),
+    ({"id": 1.5}, 1),
+    ({"id": "x" * 129}, 1),
+    ({"id": 2**63}, 1),
+    ({"model": ""}, 1),
+    ({"model": 5}, 1),
+    ({"model": "m" * 257}, 1),
+    ({"model": None}, 1),
+    ({"tensors": None}, 1),
+    ({"tensors": {"0": {}}}, 1),
+    ({"tensors": [{"dtype": "float32", "shape": [1], "frame": 0}] * (MAX_TENSORS + 1),
+      "inputs": list(range(MAX_TENSORS + 1))}, MAX_TENSORS + 1),
+    ({"inputs": None}, 1),
+    ({}, 0),  # one inline tensor, no payload frame
+    ({}, 2),  # one inline tensor, two payload frames
+    ({"timeout_ms": -1}, 1),
+    ({"timeout_ms": True}, 1),
+    ({"timeout_ms": 1.5}, 1),
+    ({"timeout_ms": 7 * 24 * 3600 * 1000 + 1}, 1),
+    ({"timeout_ms": 2**64}, 1),
+    ({"out": [SEG2, 0]}, 1),
+    ({"out": [SEG2, -1, 10]}, 1),
+    ({"out": [SEG2, 2**64 - 32, 32]}, 1),
+    ({"out": [SEG2, 0, True]}, 1),
+    ({"out": ["../../etc/passwd", 0, 10]}, 1),
+    ({"out": SEG2}, 1),
+])
+def test_parse_infer_rejects_hostile_headers(changes, n_frames):
+    rejected(parse_infer, infer_header(**changes), n_frames)
+
+
+def test_parse_infer_rejects_a_missing_id_or_model():
+    for key in ("id", "model", "tensors", "inputs"):
+        header = infer_header()
+        del header[key]
+        rejected(parse_infer, header, 1)
+
+
+def test_parse_infer_accepts_the_largest_timeout():
+    assert parse_infer(infer_header(timeout_ms=7 * 24 * 3600 * 1000), 1).timeout_ms == 604800000
+
+
+# -- parse_tensor_desc --------------------------------------------------------------------------
+
+
+def test_tensor_desc_inline_scalar_and_zero_sized():
+    assert parse_tensor_desc({"dtype": "bool", "shape": [], "frame": 0}, 0, 0) == \
+        TensorDesc("bool", (), 1, frame=0)
+    assert parse_tensor_desc({"dtype": "float64", "shape": [0, 5], "frame": 3}, 4, 3) == \
+        TensorDesc("float64", (0, 5), 0, frame=3)
+
+
+def test_tensor_desc_shm_region_is_kept():
+    desc = parse_tensor_desc({"dtype": "bfloat16", "shape": [8, 2], "shm": [SEG, 1024, 32]}, 0, 0)
+    assert desc == TensorDesc("bfloat16", (8, 2), 32, shm=(SEG, 1024, 32))
+    assert desc.to_wire() == {"dtype": "bfloat16", "shape": [8, 2], "shm": [SEG, 1024, 32]}
+
+
+def test_tensor_desc_accepts_exactly_max_tensor_bytes():
+    desc = parse_tensor_desc({"dtype": "float32", "shape": [MAX_TENSOR_BYTES // 4], "frame": 0}, 0, 0)
+    assert desc.nbytes == MAX_TENSOR_BYTES
+
+
+@pytest.mark.parametrize("value, next_frame", [
+    (None, 0),
+    ([], 0),
+    ("float32", 0),
+    ({"shape": [1], "frame": 0}, 0),  # no dtype
+    ({"dtype": "float33", "shape": [1], "frame": 0}, 0),
+    ({"dtype": None, "shape": [1], "frame": 0}, 0),
+    ({"dtype": 4, "shape": [1], "frame": 0}, 0),
+    ({"dtype": "float32", "frame": 0}, 0),  # no shape
+    ({"dtype": "float32", "shape": "2,3", "frame": 0}, 0),
+    ({"dtype": "float32", "shape": {"0": 2}, "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [1] * 33, "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [-1], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [2, -3], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [True, 2], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [2.0], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": ["2"], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [None], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [MAX_TENSOR_BYTES + 1], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [2**64 - 32], "frame": 0}, 0),
+    ({"dtype": "float32", "shape": [MAX_TENSOR_BYTES // 4 + 1], "frame": 0}, 0),
+    ({"dtype": "uint8", "shape": [2**24, 2**24, 2], "frame": 0}, 0),  # product > MAX
+    ({"dtype": "complex128", "shape": [2**16] * 4, "frame": 0}, 0),  # 2**68 bytes
+    # exactly one of frame and shm
+    ({"dtype": "float32", "shape": [1]}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": 0, "shm": [SEG, 0, 4]}, 0),
+    # frames numbered out of order, or not ints
+    ({"dtype": "float32", "shape": [1], "frame": 1}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": 0}, 1),
+    ({"dtype": "float32", "shape": [1], "frame": -1}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": True}, 1),  # True == 1 but is not an int
+    ({"dtype": "float32", "shape": [1], "frame": False}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": 0.0}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": "0"}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": None}, 0),
+    ({"dtype": "float32", "shape": [1], "frame": 2**64}, 0),
+    # shm regions
+    ({"dtype": "float32", "shape": [1], "shm": None}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0, 4, 0]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": {"name": SEG, "offset": 0, "nbytes": 4}}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 2**64 - 32, 4]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, -1, 4]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, True, 4]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0.0, 4]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0, True]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0, -4]}, 0),
+    # nbytes must equal dtype x shape, neither more nor less
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0, 3]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0, 5]}, 0),
+    ({"dtype": "float32", "shape": [2, 3], "shm": [SEG, 0, 6]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG, 0, 2**64 - 32]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": ["/dev/shm/" + SEG, 0, 4]}, 0),
+    ({"dtype": "float32", "shape": [1], "shm": [SEG.encode(), 0, 4]}, 0),
+])
+def test_tensor_desc_rejects_hostile_descriptors(value, next_frame):
+    rejected(parse_tensor_desc, value, 0, next_frame)
+
+
+@pytest.mark.parametrize("dtype", [["float32"], {"float32": 1}])
+def test_tensor_desc_rejects_an_unhashable_dtype(dtype):
+    rejected(parse_tensor_desc, {"dtype": dtype, "shape": [1], "frame": 0}, 0, 0)
+
+
+def test_unknown_dtype_message_is_truncated():
+    error = rejected(parse_tensor_desc, {"dtype": "q" * 10_000, "shape": [1], "frame": 0}, 0, 0)
+    assert len(error.message) < 400
+
+
+# -- tensor_nbytes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype, shape, expected", [
+    ("float32", (2, 3), 24),
+    ("bool", (), 1),
+    ("int16", (0,), 0),
+    ("complex128", (4, 4), 256),
+    ("bfloat16", (7,), 14),
+    ("complex128", (MAX_TENSOR_BYTES // 16,), MAX_TENSOR_BYTES),
+    ("uint8", (2**16, 2**16, 2**16), MAX_TENSOR_BYTES),
+])
+def test_tensor_nbytes(dtype, shape, expected):
+    assert tensor_nbytes(dtype, shape) == expected
+
+
+@pytest.mark.parametrize("dtype, shape", [
+    ("complex128", (MAX_TENSOR_BYTES // 16 + 1,)),
+    ("uint8", (2**16, 2**16, 2**16, 2)),
+    ("float64", (2**40, 2**40)),
+    ("int8", (MAX_TENSOR_BYTES, 2)),
+])
+def test_tensor_nbytes_refuses_overflowing_dims(dtype, shape):
+    error = rejected(tensor_nbytes, dtype, shape)
+    assert str(MAX_TENSOR_BYTES) in error.message
+
+
+# -- check_tree ---------------------------------------------------------------------------------
+
+
+def nested(leaf, levels: int, kind: str = "list"):
+    node = leaf
+    for _ in range(levels):
+        node = [node] if kind == "list" else {"tuple": [node]}
+    return node
+
+
+@pytest.mark.parametrize("tree, n", [
+    (0, 1),
+    ([], 0),
+    ([0, 1, 2], 3),
+    ([2, 0, 1], 3),
+    ({"tuple": [1, 0]}, 2),
+    ({"dict": {"a": 0, "b": [1, {"tuple": [2]}]}}, 3),
+    ({"dict": {}}, 0),
+    ({"dict": {"k" * 256: 0}}, 1),
+    (nested(0, MAX_TREE_DEPTH), 1),
+    (nested(0, MAX_TREE_DEPTH, "tuple"), 1),
+    (list(range(MAX_TENSORS)), MAX_TENSORS),
+])
+def test_check_tree_accepts_trees_using_every_tensor_once(tree, n):
+    assert check_tree(tree, n) is None
+
+
+@pytest.mark.parametrize("tree, n", [
+    ([0, 0], 2),  # reuses 0 (and skips 1)
+    ([0, 1, 0], 2),  # reuses 0
+    ([0], 2),  # skips 1
+    ([], 1),
+    ({"dict": {"a": 0, "b": 0}}, 1),
+    ({"tuple": [0, [0]]}, 1),
+    ([0, 2], 2),  # out of range
+    ([-1, 0], 2),
+    ([0, 2**64], 2),
+    ([0, True], 2),  # True == 1 but a bool is no index
+    (False, 1),
+    (0.0, 1),
+    (None, 0),
+    ("0", 1),
+    ({"list": [0]}, 1),
+    ({"tuple": 0}, 1),
+    ({"tuple": [0], "dict": {}}, 1),
+    ({"dict": [0]}, 1),
+    ({"dict": {"k" * 257: 0}}, 1),
+    (nested(0, MAX_TREE_DEPTH + 1), 1),
+    (nested(0, MAX_TREE_DEPTH + 1, "tuple"), 1),
+    (nested([], MAX_TREE_DEPTH + 1), 0),
+    (nested(0, 10_000), 1),  # far deeper than Python's recursion limit: still a clean refusal
+])
+def test_check_tree_rejects_bad_trees(tree, n):
+    rejected(check_tree, tree, n)
+
+
+def test_check_tree_rejects_a_deep_dict_tree():
+    tree = 0
+    for _ in range(MAX_TREE_DEPTH + 1):
+        tree = {"dict": {"x": tree}}
+    rejected(check_tree, tree, 1)
+
+
+# -- framing: unpack_header and split_router_message --------------------------------------------
+
+
+def test_unpack_header_decodes_a_map():
+    header = {"type": "infer", "id": 1, "tensors": [{"dtype": "float32", "shape": [1], "frame": 0}]}
+    assert unpack_header(protocol.pack(header)) == header
+
+
+def test_unpack_header_reads_a_zmq_frame_buffer():
+    frame = zmq.Frame(protocol.pack({"type": "hello", "id": "a"}))
+    assert unpack_header(frame.buffer) == {"type": "hello", "id": "a"}
+
+
+def test_unpack_header_accepts_exactly_max_header_bytes():
+    overhead = len(protocol.pack({"a": "x" * 70_000})) - 70_000
+    buf = protocol.pack({"a": "x" * (MAX_HEADER_BYTES - overhead)})
+    assert len(buf) == MAX_HEADER_BYTES
+    assert len(unpack_header(buf)["a"]) == MAX_HEADER_BYTES - overhead
+
+
+def test_unpack_header_refuses_oversized_frames_before_decoding():
+    buf = protocol.pack({"a": "x" * MAX_HEADER_BYTES})
+    assert len(buf) > MAX_HEADER_BYTES
+    error = rejected(unpack_header, buf)
+    assert str(MAX_HEADER_BYTES) in error.message
+    # size is checked first: even garbage of that size is refused for its size
+    assert str(MAX_HEADER_BYTES) in rejected(unpack_header, b"\xc1" * (MAX_HEADER_BYTES + 1)).message
+
+
+@pytest.mark.parametrize("buf", [
+    b"",
+    b"\xc1",  # never-used type byte
+    b"\x81\xa1a",  # map with a key and no value
+    protocol.pack({"a": 1}) + b"\x00",  # trailing bytes
+    b"\x81\xa1a" + b"\x91" * 5000 + b"\x90",  # nested 5000 arrays deep
+    msgpack.packb({1: 2}),  # non-string keys
+    msgpack.packb({"a": b"x" * 129}, use_bin_type=True),  # bin longer than an id
+    b"\x81\xa1a\xd4\x01\x02",  # ext type
+    b"\xdf\xff\xff\xff\xff",  # map claiming 2**32-1 entries
+    b"\xdd\xff\xff\xff\xff",  # array claiming 2**32-1 entries
+    b"\xdb\xff\xff\xff\xff",  # str claiming 4 GiB
+    bytes(range(256)),
+])
+def test_unpack_header_rejects_garbage(buf):
+    error = rejected(unpack_header, buf)
+    assert "msgpack" in error.message
+
+
+@pytest.mark.parametrize("value", [[1, 2], 7, "infer", None, True, 1.5, b"bin"])
+def test_unpack_header_rejects_non_map_headers(value):
+    error = rejected(unpack_header, msgpack.packb(value, use_bin_type=True))
+    assert "map" in error.message
+
+
+def test_split_router_message_without_delimiter():
+    envelope = split_router_message([b"peer", SIGNATURE, b"hdr", b"p0", b"p1"])
+    assert envelope.route == [b"peer"]
+    assert envelope.header == b"hdr"
+    assert envelope.payload == [b"p0", b"p1"]
+
+
+def test_split_router_message_with_delimiter_and_zmq_frames():
+    frames = [zmq.Frame(b"peer"), zmq.Frame(b""), zmq.Frame(SIGNATURE), zmq.Frame(b"hdr")]
+    envelope = split_router_message(frames)
+    assert [bytes(f) for f in envelope.route] == [b"peer", b""]
+    assert bytes(envelope.header) == b"hdr"
+    assert envelope.payload == []
+    assert protocol.reply_route(frames) == frames[:2]
+
+
+@pytest.mark.parametrize("frames", [
+    [b"peer"],
+    [b"peer", b""],
+    [b"peer", SIGNATURE],
+    [b"peer", b"", SIGNATURE],
+    [b"peer", b"MWP2", b"hdr"],
+    [b"peer", b"mwp1", b"hdr"],
+    [b"peer", b"MWP1\x00", b"hdr"],
+    [b"peer", b"", b"", SIGNATURE, b"hdr"],  # two delimiters
+    [b"peer", b"hdr", SIGNATURE],  # frames in the wrong order
+])
+def test_split_router_message_rejects_bad_framing(frames):
+    rejected(split_router_message, frames)
+
+
+def test_reply_route_of_malformed_messages():
+    assert protocol.reply_route([b"peer"]) == [b"peer"]
+    assert protocol.reply_route([b"peer", b"", b"x"]) == [b"peer", b""]
+    assert protocol.reply_route([b"peer", b"x", b""]) == [b"peer"]
+
+
+# -- parse_region and parse_segment_list --------------------------------------------------------
+
+
+def test_parse_region_accepts_a_valid_region():
+    assert parse_region([SEG, 0, 1], "'out'") == (SEG, 0, 1)
+    assert parse_region([SEG2, protocol.MAX_INT, protocol.MAX_INT], "'out'") == \
+        (SEG2, protocol.MAX_INT, protocol.MAX_INT)
+
+
+BAD_NAMES = [
+    "/dev/shm/" + SEG,
+    "../" + SEG,
+    SEG + "/../../etc/passwd",
+    "mw.123.456/../../etc/passwd",
+    "mw.123.456.." + "0" * 31,
+    "mw.123.456." + "0123456789abcdef" + "0123456789abcde/",
+    "mw.123.456." + "0123456789ABCDEF" * 2,  # uppercase hex
+    "mw.123.456." + "0123456789abcdef" * 2 + "0",  # 33 hex digits
+    "mw.123.456." + "0123456789abcde" + "0123456789abcdef",  # 31 hex digits
+    "mw.0123.456." + "0123456789abcdef" * 2,  # pid with a leading zero
+    "mw.0.456." + "0123456789abcdef" * 2,  # pid 0
+    "mw.12345678901.456." + "0123456789abcdef" * 2,  # pid of 11 digits
+    "mw.123.-456." + "0123456789abcdef" * 2,
+    "mw.123.456." + "0123456789abcdeg" * 2,
+    "MW.123.456." + "0123456789abcdef" * 2,
+    "xx.123.456." + "0123456789abcdef" * 2,
+    "mw-123-456-" + "0123456789abcdef" * 2,
+    "mw.١٢٣.456." + "0123456789abcdef" * 2,  # non-ASCII digits
+    " " + SEG,
+    SEG + " ",
+    SEG + "\x00",
+    "modelwarden-secret-segment",
+]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_parse_region_rejects_bad_names_without_echoing_them(name):
+    error = rejected(parse_region, [name, 0, 16], "tensor 3")
+    assert name not in error.message
+    assert name.strip() not in error.message
+    assert "tensor 3" in error.message
+
+
+@pytest.mark.parametrize("name", [None, 7, b"mw.123.456." + b"0" * 32, ["mw"], ""])
+def test_parse_region_rejects_non_string_names(name):
+    rejected(parse_region, [name, 0, 16], "x")
+
+
+@pytest.mark.parametrize("region", [
+    [SEG, 2**64 - 32, 32],
+    [SEG, 2**63, 1],
+    [SEG, -1, 16],
+    [SEG, 0, -16],
+    [SEG, True, 16],
+    [SEG, 0, False],
+    [SEG, 1.0, 16],
+    [SEG, "0", 16],
+    [SEG, 0, None],
+    [SEG, 0],
+    [SEG, 0, 16, 0],
+    (SEG, 0, 16),  # msgpack decodes arrays as lists; a tuple is not what the wire gives
+    {"segment": SEG},
+    SEG,
+    None,
+])
+def test_parse_region_rejects_bad_offsets_and_shapes_without_echoing_the_name(region):
+    error = rejected(parse_region, region, "'out'")
+    assert SEG not in error.message
+
+
+def test_segment_name_with_trailing_newline_is_rejected():
+    rejected(parse_region, [SEG + "\n", 0, 16], "x")
+
+
+def test_no_segment_error_echoes_the_name():
+    """Every refusal in a request that names a segment leaves the name out of the message."""
+    secret = "mw.31337.31337." + "5ec12e7" + "0" * 25
+    headers = [
+        infer_header(tensors=[{"dtype": "float32", "shape": [2], "shm": [secret, 0, 9]}], inputs=[0]),
+        infer_header(tensors=[{"dtype": "float32", "shape": [2], "shm": [secret, -1, 8]}], inputs=[0]),
+        infer_header(tensors=[{"dtype": "float32", "shape": [2], "shm": [secret, 0, 8],
+                               "frame": 0}], inputs=[0]),
+        infer_header(tensors=[{"dtype": "float32", "shape": [2], "shm": [secret + "/x", 0, 8]}],
+                     inputs=[0]),
+        infer_header(out=[secret, 2**64 - 32, 32]),
+        infer_header(out=[secret + "..", 0, 32]),
+        infer_header(out=[secret, 0, 32], timeout_ms=-5),
+        infer_header(tensors=[{"dtype": "float32", "shape": [2], "shm": [secret, 0, 8]}], inputs=[0, 0]),
+    ]
+    for header in headers:
+        error = rejected(parse_infer, header, 0 if "out" not in header else 1)
+        assert "5ec12e7" not in error.message and "31337" not in error.message, error.message
+    for items, sizes in [([[secret, -1]], True), ([[secret + "/", 5]], True), ([secret + "\x00"], False),
+                         ([[secret]], True), ([[secret, 1, 2]], True), ([secret, 7], False)]:
+        error = rejected(parse_segment_list, {"segments": items}, sizes)
+        assert "5ec12e7" not in error.message and "31337" not in error.message, error.message
+
+
+def test_parse_segment_list_with_sizes():
+    assert parse_segment_list({"segments": [[SEG, 4096], [SEG2, 1]]}, True) == [(SEG, 4096), (SEG2, 1)]
+
+
+def test_parse_segment_list_names_only():
+    assert parse_segment_list({"segments": [SEG, SEG2]}, False) == [SEG, SEG2]
+
+
+def test_parse_segment_list_accepts_the_maximum_count():
+    names = [SEG] * MAX_SEGMENTS_PER_MESSAGE
+    assert len(parse_segment_list({"segments": names}, False)) == MAX_SEGMENTS_PER_MESSAGE
+
+
+@pytest.mark.parametrize("header, with_sizes", [
+    ({}, True),
+    ({"segments": None}, True),
+    ({"segments": []}, True),
+    ({"segments": []}, False),
+    ({"segments": SEG}, False),
+    ({"segments": {SEG: 1}}, True),
+    ({"segments": [SEG] * (MAX_SEGMENTS_PER_MESSAGE + 1)}, False),
+    ({"segments": [[SEG, 1]] * (MAX_SEGMENTS_PER_MESSAGE + 1)}, True),
+    ({"segments": [SEG]}, True),  # sizes expected
+    ({"segments": [[SEG]]}, True),
+    ({"segments": [[SEG, 1, 2]]}, True),
+    ({"segments": [[SEG, -1]]}, True),
+    ({"segments": [[SEG, True]]}, True),
+    ({"segments": [[SEG, 1.0]]}, True),
+    ({"segments": [[SEG, 2**64 - 32]]}, True),
+    ({"segments": [[SEG, None]]}, True),
+    ({"segments": [[1024, SEG]]}, True),
+    ({"segments": [[SEG, 1]]}, False),  # names expected, got pairs
+    ({"segments": [SEG, "../" + SEG]}, False),  # one bad name spoils the list
+    ({"segments": [[SEG, 1], ["/dev/shm/x", 1]]}, True),
+    ({"segments": [SEG + "/.."]}, False),
+    ({"segments": [".."]}, False),
+    ({"segments": ["mw.1.2.3"]}, False),
+])
+def test_parse_segment_list_rejects_bad_lists(header, with_sizes):
+    rejected(parse_segment_list, header, with_sizes)
+
+
+def test_segment_owner_reads_pid_and_start_time():
+    assert protocol.segment_owner(SEG) == (123, 456)
+    rejected(protocol.segment_owner, "../" + SEG)
+
+
+# -- the rest of the request path that needs no socket ------------------------------------------
+
+
+def test_frame_lengths_must_match_descriptors():
+    tensors = parse_infer(infer_header(), 1).tensors
+    protocol.frame_lengths_match(tensors, [b"\x00" * 24])
+    for payload in ([b"\x00" * 23], [b"\x00" * 25], [b""]):
+        rejected(protocol.frame_lengths_match, tensors, payload)
+
+
+@pytest.mark.parametrize("value", [True, None, "1", float("nan"), float("inf"), -float("inf"), [1]])
+def test_finite_float_rejects_non_numbers(value):
+    rejected(protocol.finite_float, value, "x")
+
+
+def test_request_id_of_falls_back_to_none():
+    assert protocol.request_id_of({"id": -5}) == -5
+    assert protocol.request_id_of({"id": "abc"}) == "abc"
+    for rid in (True, False, None, 1.0, [1], "é" * 65, 2**63, -(2**63)):
+        assert protocol.request_id_of({"id": rid}) is None
