@@ -318,6 +318,9 @@ class Arbiter:
             reply.update(id=request_id, ok=True)
         except ProtocolError as exc:
             reply = protocol.error_header(request_id, exc.code, exc.message)
+        except Exception:  # a bug in a command: answer, log, keep serving
+            logger.exception("control command failed")
+            reply = protocol.error_header(request_id, INTERNAL, "internal error; see the daemon's log")
         self.control.send_multipart([*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
     def _on_backend(self) -> None:
@@ -446,19 +449,17 @@ class Arbiter:
             self.router.fail_queue(pool, NO_WORKER, f"every worker of {pool.name!r} is FATAL")
 
     def restart(self, target: str | None) -> list[str]:
+        """Revive FATAL/stopped slots and replace live workers: every model, one model, or one
+        worker slot (``mlp#1``)."""
         if self.stopping:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
-        pools = list(self.pools.values())
-        if target is not None:
-            name = target.split("#")[0]
-            if name not in self.pools:
-                raise ProtocolError(BAD_REQUEST, f"no model or worker named {target!r}")
-            pools = [self.pools[name]]
-        restarted = []
-        for pool in pools:
-            slots = None if target is None or "#" not in target else target.split("#")[1]
-            restarted += [name for name in pool.restart() if slots is None or name == target]
-        return restarted
+        if target is None:
+            return [name for pool in self.pools.values() for name in pool.restart()]
+        name, _, slot = target.partition("#")
+        pool = self.pools.get(name)
+        if pool is None or (slot and not (slot.isdigit() and int(slot) < len(pool.slots))):
+            raise ProtocolError(BAD_REQUEST, f"no model or worker named {target!r}")
+        return pool.restart(int(slot) if slot else None)
 
     # -- stopping ---------------------------------------------------------------------------
 

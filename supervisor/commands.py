@@ -17,6 +17,7 @@ from shared import __version__
 from shared.config import format_cores
 from shared.protocol import BAD_REQUEST, ProtocolError
 from shared.states import WorkerState
+from supervisor.handle import read_rss
 
 if TYPE_CHECKING:
     from supervisor.arbiter import Arbiter
@@ -127,7 +128,8 @@ def _handle_row(handle, now: float) -> dict:
         "uptime_s": round(now - handle.started_at, 3),
         "ready_s": round(now - handle.ready_at, 3) if handle.ready_at else None,
         "requests": handle.served, "errors": handle.errors, "inflight": len(handle.inflight),
-        "rss_bytes": handle.rss_bytes, "rss_trend_bytes_per_s": handle.rss_trend(),
+        "rss_bytes": read_rss(handle.pid) if handle.alive else None,
+        "rss_trend_bytes_per_s": handle.rss_trend(),
         "cuda_bytes": handle.cuda_bytes, "latency_p50_us": handle.latency_p50_us(),
         "retiring": handle.retiring, "error": handle.failure,
         "probe": {"last_at": probe.last_at, "ok": probe.last_ok, "reason": probe.last_reason,

@@ -261,10 +261,11 @@ class ModelPool:
         self.spawn(slot)
         return True
 
-    def restart(self) -> list[str]:
-        """Operator restart: revive FATAL/stopped slots now; replace live workers one by one."""
+    def restart(self, only: int | None = None) -> list[str]:
+        """Operator restart: revive FATAL/stopped slots now; replace live workers (replace before
+        retire). ``only`` limits it to one slot."""
         touched = []
-        for slot in self.slots:
+        for slot in self.slots if only is None else [self.slots[only]]:
             if slot.current is None:
                 slot.start_failures = 0
                 slot.failure = None

@@ -14,8 +14,9 @@ Messages on the backend socket (a DEALER; the supervisor's ROUTER adds our ident
     [SIG, {"type": "stop"}]                                        exit 0 (sent once drained)
   worker -> supervisor
     [SIG, {"type": "state", "state": "LOADING"|"WARMING"|"READY", "info": {...}}]
+          info: pid, device, cores, threads, interop_threads (LOADING, READY), probe_baseline_us
     [SIG, {"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
-    [SIG, {"type": "heartbeat", "cuda_bytes": N}]
+    [SIG, {"type": "heartbeat", "served": N, "cuda_bytes": N}]    cuda_bytes on GPU workers only
     [SIG, {"type": "result", "rid": N, "ok": true, "outputs": TREE, "tensors": [...],
            "compute_us": N}, payload...]
     [SIG, {"type": "result", "rid": N, "ok": false, "error": {"code": C, "message": M}}]

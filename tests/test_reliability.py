@@ -1,0 +1,178 @@
+"""Deadlines, bounded queues, hostile input, input validation, probes, recycling, restart."""
+
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+import zmq
+
+from shared import protocol
+from shared.client import BadInput, Client, Overloaded, Timeout
+from tests.faulty import reference
+from tests.helpers import Daemon, faulty_model, poll_until, raw_request
+from tests.load import run_load
+
+
+def slow_echo(name="slow", delay=1.0, workers=1, **extra):
+    model = {"name": name, "source": "python:tests.faulty:make_echo",
+             "kwargs": {"copy": True, "delay": delay}, "workers": workers, "warmup": 0}
+    model.update(extra)
+    return model
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    models = [slow_echo(max_queue=2), faulty_model("strict", reject_nonfinite=True),
+              faulty_model("plain", workers=2)]
+    with Daemon(models, daemon={"max_message_bytes": 1 << 20}) as running:
+        running.wait_ready()
+        yield running
+
+
+def test_a_request_past_its_deadline_gets_timeout(daemon):
+    with Client(daemon.endpoint) as client:
+        with pytest.raises(Timeout, match="deadline"):
+            client.infer("slow", torch.ones(4), timeout=0.3)
+        # the worker finishes the late request and serves the next one normally
+        assert torch.equal(client.infer("slow", torch.ones(4), timeout=10), torch.ones(4))
+
+
+def test_a_full_queue_answers_overloaded_at_once_and_loses_nothing(daemon):
+    with Client(daemon.endpoint) as client:
+        futures = [client.submit("slow", torch.full((4,), float(i)), timeout=30) for i in range(8)]
+        ok = overloaded = 0
+        for i, future in enumerate(futures):
+            try:
+                assert torch.equal(future.result(timeout=60), torch.full((4,), float(i)))
+                ok += 1
+            except Overloaded:
+                overloaded += 1
+    assert ok + overloaded == 8
+    assert overloaded >= 1 and ok >= 3  # one running, two queued, the rest turned away
+
+
+def test_nonfinite_inputs_are_rejected_when_the_model_asks(daemon):
+    with Client(daemon.endpoint) as client:
+        bad = torch.ones(2, 8)
+        bad[1, 3] = float("nan")
+        with pytest.raises(BadInput, match="NaN or Inf"):
+            client.infer("strict", bad)
+        bad[1, 3] = float("inf")
+        with pytest.raises(BadInput):
+            client.infer("strict", bad)
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(client.infer("strict", x), reference(x))
+        with pytest.raises(BadInput, match="dtype"):
+            client.infer("strict", torch.ones(2, 8, dtype=torch.float64))
+        with pytest.raises(BadInput, match="shape"):
+            client.infer("strict", torch.ones(2, 9))
+
+
+def test_oversized_frames_disconnect_the_peer_and_the_daemon_serves_on(daemon):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(daemon.endpoint)
+    header = {"type": "infer", "id": 1, "model": "plain", "inputs": 0,
+              "tensors": [{"dtype": "float32", "shape": [2, 2**18], "frame": 0}]}
+    sock.send_multipart([protocol.SIGNATURE, protocol.pack(header), bytes(2 * 2**20)])
+    assert not sock.poll(1500), "a frame above max_message_bytes must not be accepted"
+    sock.close()
+    x = torch.randn(3, 8)
+    with Client(daemon.endpoint) as client:
+        torch.testing.assert_close(client.infer("plain", x), reference(x))
+
+
+@pytest.mark.parametrize("header", [
+    {"type": "infer", "id": 1, "model": "plain", "inputs": list(range(5000)), "tensors": []},
+    {"type": "infer", "id": 1, "model": "x" * 100_000, "inputs": 0, "tensors": []},
+    {"type": "infer", "id": 1, "model": "plain", "inputs": 0, "tensors": [{"dtype": "float32"}] * 5000},
+    {"type": "infer", "id": "i" * 1000, "model": "plain", "inputs": 0, "tensors": []},
+    {"type": "register", "id": 1, "segments": [["mw.1.1." + "0" * 32, 1]] * 1000},
+])
+def test_msgpack_limits_and_schema(daemon, header):
+    reply = raw_request(daemon.endpoint, [protocol.SIGNATURE, protocol.pack(header)])
+    assert reply["ok"] is False and reply["error"]["code"] == "BAD_REQUEST", reply
+
+
+def test_deeply_nested_headers_are_refused(daemon):
+    # msgpack's own packer refuses such depth: write the bytes by hand (0x91: a 1-element array)
+    fields = [("type", "infer"), ("id", 1), ("model", "plain"), ("tensors", [])]
+    body = b"".join(protocol.pack(key) + protocol.pack(value) for key, value in fields)
+    header = b"\x85" + body + protocol.pack("inputs") + b"\x91" * 2000 + b"\x90"
+    reply = raw_request(daemon.endpoint, [protocol.SIGNATURE, header])
+    assert reply["error"]["code"] == "BAD_REQUEST"
+
+
+def test_requests_wait_for_a_worker_while_every_worker_restarts(daemon):
+    pids = [w["pid"] for w in daemon.workers("plain")]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    counts = run_load(daemon.endpoint, "plain", reference, clients=2, requests=10)
+    assert counts.reconciles(), counts
+    assert counts.ok == counts.sent and counts.wrong == 0, counts
+    poll_until(lambda: len(daemon.workers("plain", "READY")) == 2, 60, message="both back")
+
+
+def test_probe_status_is_reported(daemon):
+    worker = poll_until(lambda: next((w for w in daemon.workers("plain")
+                                      if w["probe"] and w["probe"]["ok"]), None), 30,
+                        message="a probed worker")
+    probe = worker["probe"]
+    assert probe["last_at"] > 0 and probe["consecutive_failures"] == 0
+    assert probe["baseline_us"] > 0 and probe["latency_us"] > 0
+    assert probe["drift"] is not None and probe["drift"] <= 1e-5
+    assert daemon.status()["models"][2]["golden"] is True
+    assert worker["rss_bytes"] > 0
+
+
+def test_max_requests_recycles_the_worker_without_failing_anything():
+    model = faulty_model("recycled", max_requests=15, max_requests_jitter=5)
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        first_pid = daemon.workers()[0]["pid"]
+        counts = run_load(daemon.endpoint, "recycled", reference, clients=2, requests=30)
+        assert counts.ok == counts.sent == 60 and counts.wrong == 0, counts
+        worker = poll_until(lambda: next((w for w in daemon.workers()
+                                          if w["state"] == "READY" and w["pid"] != first_pid), None),
+                            60, message="a recycled worker")
+        assert any("max_requests" in cause["cause"] for cause in worker["restart_causes"])
+
+
+def probe_files(tmp_path, fault_kwargs):
+    """A probe input and its golden output, computed here with the healthy reference."""
+    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(5))
+    np.save(tmp_path / "probe_in.npy", x.numpy())
+    np.save(tmp_path / "golden.npy", reference(x).numpy())
+    return {"interval": 0.2, "input": str(tmp_path / "probe_in.npy"),
+            "golden": str(tmp_path / "golden.npy"), "failures": 3, "latency_slack_ms": 5000}
+
+
+def test_a_probe_failing_every_other_time_does_not_replace_the_worker(tmp_path):
+    probe = probe_files(tmp_path, {})
+    model = faulty_model("flaky", "flaky_drift", kwargs={"after": 0}, probe=probe)
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        seen = {"fail": 0, "ok": 0}
+
+        def many_probes():
+            probe = daemon.workers()[0]["probe"]
+            if probe["ok"] is not None:
+                seen["fail" if probe["consecutive_failures"] else "ok"] += 1
+            return seen["fail"] >= 5 and seen["ok"] >= 5
+
+        poll_until(many_probes, 60, interval=0.1, message="probes failing and passing")
+        worker = daemon.workers()[0]
+        assert worker["restarts"] == 0 and worker["retiring"] is None
+
+
+def test_restart_command_revives_a_fatal_slot():
+    broken = faulty_model("broken", "load_error", backoff_initial=0.05, max_start_failures=1)
+    with Daemon([broken]) as daemon:
+        poll_until(lambda: daemon.workers()[0]["state"] == "FATAL", 60, message="FATAL")
+        restarts = daemon.workers()[0]["restarts"]
+        reply = daemon.command("restart", target="broken")
+        assert reply["restarted"] == ["broken#0"]
+        poll_until(lambda: daemon.workers()[0]["restarts"] > restarts, 60,
+                   message="a new start after the restart command")
