@@ -1,0 +1,218 @@
+"""The chaos suite: real faults in real worker processes, under load.
+
+For every scenario: sent == ok + typed errors; ok == sent where a retry must hide the fault; the
+pool is back to full READY; /dev/shm is back to baseline (the autouse fixture in conftest).
+The long soak (many minutes, many kills) is bench/soak.py.
+"""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from shared.client import Client, Poison
+from tests.faulty import MARKER, reference
+from tests.helpers import ROOT, Daemon, alive, faulty_model, our_segments, poll_until
+from tests.load import run_load
+
+pytestmark = pytest.mark.slow
+
+CHAOS = {"start_seconds": 0.5, "heartbeat_timeout": 2.0, "kill_grace": 1.0, "timeout": 90.0,
+         "backoff_initial": 0.1, "max_start_failures": 20}
+
+
+def chaos_model(name: str, fault: str = "none", workers: int = 2, **kwargs) -> dict:
+    return faulty_model(name, fault, workers=workers, kwargs=kwargs, **CHAOS)
+
+
+def back_to_full_ready(daemon: Daemon, timeout: float = 90) -> None:
+    poll_until(lambda: all(model["ready"] == model["workers"] for model in daemon.status()["models"]),
+               timeout, message="every worker READY again")
+
+
+def assert_no_request_lost(counts) -> None:
+    assert counts.reconciles(), counts
+    assert counts.ok == counts.sent and counts.wrong == 0, counts
+
+
+def test_sigkill_storm_under_load_loses_nothing():
+    with Daemon([chaos_model("storm")]) as daemon:
+        daemon.wait_ready()
+        stop, kills = threading.Event(), []
+
+        def killer():
+            rng = random.Random(0)
+            try:
+                while len(kills) < 12 and not stop.wait(0.3):  # the chaos cadence
+                    ready = [w["pid"] for w in daemon.workers("storm", "READY")]
+                    if ready:
+                        victim = rng.choice(ready)
+                        os.kill(victim, signal.SIGKILL)
+                        kills.append(victim)
+            finally:
+                stop.set()  # the load runs until the last kill
+
+        thread = threading.Thread(target=killer)
+        thread.start()
+        try:
+            counts = run_load(daemon.endpoint, "storm", reference, clients=4, requests=10**9,
+                              stop=stop)
+        finally:
+            stop.set()
+            thread.join()
+        assert len(kills) == 12, kills
+        assert counts.sent > 100, counts
+        assert_no_request_lost(counts)
+        back_to_full_ready(daemon)
+
+
+@pytest.mark.parametrize("fault", ["segfault", "exit0"])
+def test_a_worker_dying_in_forward_is_hidden_by_the_retry(fault):
+    with Daemon([chaos_model("crashy", fault, after=25)]) as daemon:
+        daemon.wait_ready()
+        counts = run_load(daemon.endpoint, "crashy", reference, clients=4, requests=40)
+        assert_no_request_lost(counts)
+        back_to_full_ready(daemon)
+        causes = [c["cause"] for w in daemon.workers() for c in w["restart_causes"]]
+        expected = "SIGSEGV" if fault == "segfault" else "exit 0"
+        assert any(expected in cause for cause in causes), causes
+
+
+def test_a_hung_forward_is_killed_and_its_request_retried():
+    with Daemon([chaos_model("hangs", "hang", after=30)]) as daemon:
+        daemon.wait_ready()
+        counts = run_load(daemon.endpoint, "hangs", reference, clients=2, requests=40)
+        assert_no_request_lost(counts)
+        back_to_full_ready(daemon)
+        causes = [c["cause"] for w in daemon.workers() for c in w["restart_causes"]]
+        assert any(cause in ("SIGTERM", "SIGKILL") for cause in causes), causes
+        assert "no heartbeat" in daemon.log()
+
+
+def test_a_hung_probe_is_caught_and_the_worker_replaced():
+    # batch 1 is only ever the probe here (clients send 2..5 rows): calls 1-8 are warm-up,
+    # baseline and the first probe; the second probe hangs
+    model = chaos_model("probehang", "hang", workers=1, after=8, only_batch=1)
+    model["probe"] = {"interval": 0.3, "timeout": 1.0}
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        first = daemon.workers()[0]["pid"]
+        poll_until(lambda: daemon.workers()[0]["pid"] not in (first, None)
+                   and daemon.workers()[0]["state"] == "READY", 60, message="a replacement")
+        counts = run_load(daemon.endpoint, "probehang", reference, clients=2, requests=10,
+                          make_input=lambda rng: torch.randn(rng.randint(2, 5), 8))
+        assert_no_request_lost(counts)
+
+
+def test_poison_input_is_answered_poison_and_the_pool_recovers():
+    with Daemon([chaos_model("victim", "poison")]) as daemon:
+        daemon.wait_ready()
+        pids = set(daemon.worker_pids())
+        with Client(daemon.endpoint, timeout=90) as client:
+            poisoned = torch.full((2, 8), MARKER)
+            with pytest.raises(Poison):
+                client.infer("victim", poisoned)
+        back_to_full_ready(daemon)
+        assert not pids & set(daemon.worker_pids())  # it killed both workers it touched
+        counts = run_load(daemon.endpoint, "victim", reference, clients=2, requests=20)
+        assert_no_request_lost(counts)
+
+
+def sample_ready_counts(daemon: Daemon, stop: threading.Event, seen: list) -> None:
+    while not stop.wait(0.05):
+        try:
+            seen.append(daemon.status()["models"][0]["ready"])
+        except Exception:  # a status timeout under load is not a capacity dip
+            pass
+
+
+@pytest.mark.parametrize("fault", ["drift", "nan"])
+def test_a_drifting_worker_is_replaced_before_it_is_retired(fault):
+    model = chaos_model("drifty", fault, workers=1, after=12)
+    model["probe"] = {"interval": 0.2, "failures": 3, "latency_slack_ms": 5000}
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        first = daemon.workers()[0]["pid"]
+        stop, seen = threading.Event(), []
+        sampler = threading.Thread(target=sample_ready_counts, args=(daemon, stop, seen))
+        sampler.start()
+        try:
+            replaced = poll_until(lambda: next((w for w in daemon.workers()
+                                                if w["pid"] != first and w["state"] == "READY"), None),
+                                  90, message="a replacement READY")
+            poll_until(lambda: not alive(first), 30, message="the drifting worker gone")
+        finally:
+            stop.set()
+            sampler.join()
+        assert seen and min(seen) >= 1, "capacity dipped during the replacement"
+        assert any("failed probes" in c["cause"] for c in replaced["restart_causes"])
+        expected = "NaN" if fault == "nan" else "drifted"
+        assert expected in daemon.log()
+
+
+def test_a_leaking_worker_is_recycled_past_max_rss():
+    model = chaos_model("leaky", "leak", workers=1, after=0, leak_mb=40)
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        rss = daemon.workers()[0]["rss_bytes"]
+        model["max_rss"] = rss + 200 * 2**20
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        first = daemon.workers()[0]["pid"]
+        counts = run_load(daemon.endpoint, "leaky", reference, clients=1, requests=12)
+        assert_no_request_lost(counts)
+        worker = poll_until(lambda: next((w for w in daemon.workers()
+                                          if w["pid"] != first and w["state"] == "READY"), None),
+                            60, message="a recycled worker")
+        assert any("max_rss" in c["cause"] for c in worker["restart_causes"])
+
+
+ORPHAN_CLIENT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {root!r})
+    from shared.client import Client
+    client = Client({endpoint!r})
+    x = torch.ones(8192, 8)   # 256 KiB: travels in shared memory
+    client.infer("survivor", x)
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_supervisor_sigkill_leaves_no_orphan_and_no_leaked_segment():
+    baseline = our_segments()
+    model = chaos_model("survivor", "none", workers=2)
+    with Daemon([model], daemon={"shm_threshold": 4096}) as daemon:
+        daemon.wait_ready()
+        workers = daemon.worker_pids()
+        script = ORPHAN_CLIENT.format(root=str(ROOT), endpoint=daemon.endpoint)
+        client = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert client.stdout.readline().strip() == "ready"
+        os.kill(daemon.process.pid, signal.SIGKILL)
+        daemon.process.wait()
+        for pid in workers:
+            poll_until(lambda: not alive(pid), 15, message=f"worker {pid} gone with its supervisor")
+        client.kill()  # the client dies too while no daemon is there to sweep
+        client.wait()
+        assert our_segments() - baseline, "the dead client's segments are still there"
+        daemon.start()  # the same configuration, the same runtime directory
+        daemon.wait_ready()
+        poll_until(lambda: our_segments() == baseline, 20, message="segments reclaimed at start")
+
+
+def test_restarting_one_worker_leaves_the_others_alone():
+    with Daemon([chaos_model("pair", workers=2)]) as daemon:
+        daemon.wait_ready()
+        before = {w["id"]: w["pid"] for w in daemon.workers()}
+        assert daemon.command("restart", target="pair#1")["restarted"] == ["pair#1"]
+        poll_until(lambda: {w["id"]: w["pid"] for w in daemon.workers("pair", "READY")}.get("pair#1")
+                   not in (None, before["pair#1"]) and len(daemon.workers()) == 2, 60,
+                   message="pair#1 replaced")
+        assert {w["id"]: w["pid"] for w in daemon.workers()}["pair#0"] == before["pair#0"]
