@@ -54,6 +54,7 @@ from shared.codec import (TORCH_DTYPES, as_tensor, dtype_name, flatten, from_byt
 from shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
 from shared.protocol import SIGNATURE
 from shared.shm import ALIGN, Region, ShmArena
+from shared.sockets import recv_parts, send_parts
 
 GRACE_S = 1.0  # how much longer than the request timeout the client waits for the daemon
 
@@ -351,14 +352,13 @@ class _Connection:
 
     def send(self, messages: list[list]) -> None:
         for parts in messages:
-            self.socket.send_multipart(parts, copy=False)
+            send_parts(self.socket, parts)
 
     def receive(self, timeout_s: float) -> tuple[dict, list] | None:
         """One reply, or None when nothing came within the timeout."""
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
-        frames = self.socket.recv_multipart(copy=False)
-        return _parse_reply(frames)
+        return _parse_reply(recv_parts(self.socket))
 
     def close(self) -> None:
         self.socket.close(0)
@@ -523,7 +523,7 @@ class _IOThread(threading.Thread):
                 if self._wake_read in events:
                     self._take_inbox(connection)
                 if connection.socket in events:
-                    self._take_replies(connection)
+                    self._take_reply(connection)
                 self._expire()
         finally:
             for pending, future, _ in self.waiting.values():
@@ -557,21 +557,17 @@ class _IOThread(threading.Thread):
                 continue
             self.waiting[pending.id] = (pending, future, _now() + timeout + GRACE_S)
 
-    def _take_replies(self, connection: _Connection) -> None:
-        while True:
-            try:
-                frames = connection.socket.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            header, payload = _parse_reply(frames)
-            entry = self.waiting.pop(header.get("id"), None)
-            if entry is None:
-                continue
-            pending, future, _ = entry
-            try:
-                future.set_result(self.session.decode(pending, header, payload))
-            except BaseException as exc:
-                future.set_exception(exc)
+    def _take_reply(self, connection: _Connection) -> None:
+        # One message per readiness: the poll is level-triggered, the next pass takes the rest.
+        header, payload = _parse_reply(recv_parts(connection.socket))
+        entry = self.waiting.pop(header.get("id"), None)
+        if entry is None:
+            return  # a registration's answer, or a reply we stopped waiting for
+        pending, future, _ = entry
+        try:
+            future.set_result(self.session.decode(pending, header, payload))
+        except BaseException as exc:
+            future.set_exception(exc)
 
     def _expire(self) -> None:
         now = _now()

@@ -1,6 +1,8 @@
 """The supervisor's loop: one ``poll()`` per pass, its timeout the nearest deadline.
 
-Everything that happens is an event on the poller: a client message (frontend ROUTERs), a worker
+Each pass takes one message from each readable socket (zmq_poll is level-triggered, so the next
+pass sees whatever is left), which keeps every socket served in turn. Everything that happens is
+an event on the poller: a client message (frontend ROUTERs), a worker
 message (backend ROUTER), a control command (control ROUTER), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
 request deadlines, backoff restarts, kill escalation, the health tick, the shared-memory sweep --
@@ -16,6 +18,7 @@ import grp
 import logging
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -25,6 +28,7 @@ from pathlib import Path
 import zmq
 
 from shared import __version__, protocol, shm
+from shared.sockets import recv_parts, send_parts
 from shared.config import ModelConfig, Settings, WorkerSpec
 from shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
 from shared.states import WorkerState
@@ -42,7 +46,6 @@ from worker import main as worker_main
 logger = logging.getLogger(__name__)
 
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
-BATCH = 256  # messages taken from one socket per pass, so no socket starves the others
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
 
@@ -238,17 +241,13 @@ class Arbiter:
 
     def _on_frontend(self, index: int) -> None:
         sock = self.frontends[index]
-        for _ in range(BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                self._frontend_message(index, sock, frames)
-            except Exception:
-                logger.exception("error handling a client message")
-                self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
-                                       "internal error; see the daemon's log")
+        frames = recv_parts(sock)
+        try:
+            self._frontend_message(index, sock, frames)
+        except Exception:
+            logger.exception("error handling a client message")
+            self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
+                                   "internal error; see the daemon's log")
 
     def _frontend_message(self, index: int, sock: zmq.Socket, frames: list) -> None:
         try:
@@ -280,7 +279,7 @@ class Arbiter:
             self.router.send_error(sock, envelope.route, request_id, exc.code, exc.message)
             return
         reply.update(id=request_id, ok=True)
-        sock.send_multipart([*envelope.route, SIGNATURE, protocol.pack(reply)])
+        send_parts(sock, [*envelope.route, SIGNATURE, protocol.pack(reply)])
 
     def _require_shm(self, index: int) -> None:
         if not (self.settings.daemon.shm and self._frontend_is_ipc[index]):
@@ -298,12 +297,7 @@ class Arbiter:
                 "max_message_bytes": daemon.max_message_bytes}
 
     def _on_control(self) -> None:
-        for _ in range(BATCH):
-            try:
-                frames = self.control.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._control_message(frames)
+        self._control_message(recv_parts(self.control))
 
     def _control_message(self, frames: list) -> None:
         request_id = None
@@ -321,23 +315,18 @@ class Arbiter:
         except Exception:  # a bug in a command: answer, log, keep serving
             logger.exception("control command failed")
             reply = protocol.error_header(request_id, INTERNAL, "internal error; see the daemon's log")
-        self.control.send_multipart([*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
+        send_parts(self.control, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
     def _on_backend(self) -> None:
-        for _ in range(BATCH):
-            try:
-                frames = self.backend.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._worker_message(frames)
+        self._worker_message(recv_parts(self.backend))
 
     def _worker_message(self, frames: list) -> None:
         handle = self._by_identity.get(frames[0].bytes)
-        if handle is None or len(frames) < 3 or frames[1].bytes != SIGNATURE:
+        if handle is None or len(frames) < 2:
             logger.warning("dropping a backend message from an unknown or malformed sender")
             return
         try:
-            header = protocol.unpack_header(frames[2].buffer)
+            header = protocol.unpack_header(frames[1].buffer)
         except ProtocolError as exc:
             logger.error("%s sent an unreadable header: %s", handle.worker_id, exc.message)
             return
@@ -347,7 +336,7 @@ class Arbiter:
         pool = self.pools[handle.spec.model.name]
         kind = header.get("type")
         if kind == "result":
-            self.router.on_result(pool, handle, header, frames[3:])
+            self.router.on_result(pool, handle, header, frames[2:])
         elif kind == "heartbeat":
             handle.cuda_bytes = header.get("cuda_bytes")
         elif kind == "state":
@@ -360,6 +349,23 @@ class Arbiter:
             logger.warning("%s sent an unknown message type %r", handle.worker_id, kind)
 
     def _on_sentinel(self, handle: WorkerHandle) -> None:
+        """A worker exited. Reap every worker that is dead by now before recovering anyone's
+        requests, so a retry never goes to a worker that died at the same moment (killing both
+        workers at once must not turn a good request into POISON)."""
+        dead = [handle] + [other for other in self._dead_now() if other is not handle]
+        for gone in dead:
+            self._reap(gone)
+        for gone in dead:
+            self.pools[gone.spec.model.name].mark_exited(gone)
+        for gone in dead:
+            self.pools[gone.spec.model.name].on_exit(gone)
+        self.notifier.status(self._summary())
+
+    def _dead_now(self) -> list[WorkerHandle]:
+        ready = multiprocessing.connection.wait(list(self._by_sentinel), timeout=0)
+        return [self._by_sentinel[fd] for fd in ready]
+
+    def _reap(self, handle: WorkerHandle) -> None:
         process = handle.process
         process.join(5)  # the sentinel fired: it has exited or is about to be reapable
         if process.exitcode is None:
@@ -370,10 +376,8 @@ class Arbiter:
         handle.exitcode = process.exitcode
         self._off(handle.sentinel)
         self._by_sentinel.pop(handle.sentinel, None)
-        process.close()  # frees the sentinel fd: a long-lived daemon restarts many workers
         self._by_identity.pop(handle.identity, None)
-        self.pools[handle.spec.model.name].on_exit(handle)
-        self.notifier.status(self._summary())
+        process.close()  # frees the sentinel fd: a long-lived daemon restarts many workers
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -381,7 +385,8 @@ class Arbiter:
         now = self.clock()
         for pool in self.pools.values():
             pool.tick(now)
-            self.router.dispatch(pool)  # probes may have come due
+            self.router.send_due_probes(pool, pool.ready())
+            self.router.dispatch(pool)
         if self.stopping:
             self._shutdown_step(now)
         self.timers.call_at(now + TICK, self._tick)
@@ -399,7 +404,7 @@ class Arbiter:
         message = protocol.pack({"type": "unmap", "segments": names})
         for handle in self._by_identity.values():
             if handle.state == WorkerState.READY or handle.state == WorkerState.DRAINING:
-                self.backend.send_multipart([handle.identity, SIGNATURE, message])
+                send_parts(self.backend, [handle.identity, message])
 
     def _watchdog(self) -> None:
         self.notifier.watchdog()
@@ -436,7 +441,7 @@ class Arbiter:
         return handle
 
     def send_stop(self, handle: WorkerHandle) -> None:
-        self.backend.send_multipart([handle.identity, SIGNATURE, protocol.pack({"type": "stop"})])
+        send_parts(self.backend, [handle.identity, protocol.pack({"type": "stop"})])
 
     def dispatch(self, pool: ModelPool) -> None:
         self.router.dispatch(pool)

@@ -199,14 +199,20 @@ class ModelPool:
             logger.critical("%s pid %s did not stop when asked; killing", handle.worker_id, handle.pid)
             handle.signal(signal.SIGKILL)
 
-    def on_exit(self, handle: WorkerHandle) -> None:
-        """The process is gone (its sentinel fired and it was reaped)."""
+    def mark_exited(self, handle: WorkerHandle) -> None:
+        """The process is gone: STOPPED if it left cleanly when told, else DEAD. Nothing is
+        routed to it from now on."""
         cause = exit_cause(handle.exitcode)
         self.host.timers.cancel(handle.kill_timer)
         if handle.state == S.DRAINING and handle.exitcode == 0:
             handle.set_state(S.STOPPED, cause)
         elif handle.alive:
             handle.set_state(S.DEAD, cause)
+
+    def on_exit(self, handle: WorkerHandle) -> None:
+        """The process is gone (reaped, and marked): recover its requests, then restart."""
+        self.mark_exited(handle)  # a no-op when the host marked it already
+        cause = exit_cause(handle.exitcode)
         self.host.recover_requests(self, handle)
         slot = self.slot_of(handle)
         if handle is slot.previous:

@@ -20,6 +20,8 @@ import zmq
 from shared import protocol
 from shared.protocol import (NO_WORKER, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
                              TIMEOUT, UNKNOWN_MODEL, ProtocolError)
+from shared.sockets import send_parts
+from shared.states import WorkerState
 from supervisor.handle import WorkerHandle
 from supervisor.probes import decode_outputs, Verdict
 from supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
@@ -84,11 +86,8 @@ class Router:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, pool: "ModelPool") -> None:
-        now = self.arbiter.clock()
-        for handle in pool.ready():
-            if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
-                self._send_probe(handle, now)
         queue = pool.queue
+        now = self.arbiter.clock()
         while queue:
             handle = pool.least_loaded()
             if handle is None:
@@ -97,11 +96,17 @@ class Router:
             if not request.done:
                 self._send(handle, request, now)
 
+    def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
+        """Probes go out between real requests: to a worker with room whose probe is due."""
+        now = self.arbiter.clock()
+        for handle in handles:
+            if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
+                self._send_probe(handle, now)
+
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
         envelope = protocol.pack({"type": "run", "rid": request.rid})
-        self.arbiter.backend.send_multipart(
-            [handle.identity, SIGNATURE, envelope, request.header_frame, *request.payload],
-            copy=False)
+        send_parts(self.arbiter.backend,
+                   [handle.identity, envelope, request.header_frame, *request.payload])
         request.worker = handle
         request.dispatched_ns = time.perf_counter_ns()
         handle.inflight[request.rid] = request
@@ -109,8 +114,8 @@ class Router:
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(next(self._rids), handle, now)
-        self.arbiter.backend.send_multipart(
-            [handle.identity, SIGNATURE, protocol.pack({"type": "run", "rid": probe.rid, "probe": True})])
+        send_parts(self.arbiter.backend,
+                   [handle.identity, protocol.pack({"type": "run", "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
         handle.probe.inflight_since = now
         handle.probe.rid = probe.rid
@@ -127,6 +132,8 @@ class Router:
         else:
             self._relay_result(handle, request, header, frames)
         pool.after_result(handle)
+        if handle.state == WorkerState.READY:
+            self.send_due_probes(pool, [handle])
         self.dispatch(pool)
 
     def _relay_result(self, handle: WorkerHandle, request: Request, header: dict, frames: list) -> None:
@@ -180,7 +187,7 @@ class Router:
         if frames:
             parts.extend(frames)
         try:
-            request.socket.send_multipart(parts, copy=False)
+            send_parts(request.socket, parts)
         except zmq.ZMQError as exc:  # the client's queue is full or it went away
             logger.warning("could not answer request %s: %s", request.client_id, exc)
         self.answered += 1
@@ -191,8 +198,8 @@ class Router:
     def send_error(self, socket: zmq.Socket, route: list, request_id: Any, code: str,
                    message: str) -> None:
         try:
-            socket.send_multipart([*route, SIGNATURE, protocol.pack(
-                protocol.error_header(request_id, code, message))], copy=False)
+            send_parts(socket, [*route, SIGNATURE, protocol.pack(
+                protocol.error_header(request_id, code, message))])
         except zmq.ZMQError as exc:
             logger.warning("could not send a %s error: %s", code, exc)
 

@@ -41,6 +41,24 @@ def test_example_config_is_valid():
     assert "mlp#0: cpu[" in result.stdout and "mlp#1: cpu[" in result.stdout
 
 
+def test_systemd_example_config_is_valid():
+    result = serve_check(ROOT / "systemd" / "modelwarden.toml")
+    assert result.returncode == 0, result.stderr
+    assert "mlp#1: cpu[" in result.stdout
+
+
+def test_systemd_unit_verifies():
+    import shutil
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze is not installed")
+    result = subprocess.run(["systemd-analyze", "verify", str(ROOT / "systemd" / "modelwarden.service")],
+                            capture_output=True, text=True, timeout=60)
+    problems = [line for line in result.stderr.splitlines()
+                if line.strip() and "is not executable" not in line and "/opt/modelwarden" not in line]
+    assert not problems, problems
+
+
 def test_oversubscription_is_an_error_naming_the_key(tmp_path):
     import os
 

@@ -106,9 +106,12 @@ def test_deeply_nested_headers_are_refused(daemon):
 
 
 def test_requests_wait_for_a_worker_while_every_worker_restarts(daemon):
-    pids = [w["pid"] for w in daemon.workers("plain")]
+    pids = {w["pid"] for w in daemon.workers("plain")}
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
+    # once the daemon knows they are dead, nothing of "plain" is READY: requests must wait
+    poll_until(lambda: not {w["pid"] for w in daemon.workers("plain", "READY")} & pids, 30,
+               message="the deaths noticed")
     counts = run_load(daemon.endpoint, "plain", reference, clients=2, requests=10)
     assert counts.reconciles(), counts
     assert counts.ok == counts.sent and counts.wrong == 0, counts

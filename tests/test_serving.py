@@ -18,7 +18,7 @@ from examples.models import make_mlp
 from shared import protocol
 from shared.client import BadInput, BadRequest, Client, UnknownModel
 from shared.config import format_cores
-from tests.helpers import (ROOT, Daemon, cmdline, cpus_allowed, header_frame, mlp_model,
+from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame, mlp_model,
                            poll_until, raw_request)
 
 REFERENCE = make_mlp(hidden=32).requires_grad_(False)
@@ -270,16 +270,31 @@ def test_sigkill_of_a_worker_is_replaced_on_the_same_cores(daemon):
         torch.testing.assert_close(client.infer("mlp", x), REFERENCE(x))
 
 
-def test_sigterm_stops_every_worker_and_exits_zero():
-    with Daemon([mlp_model()]) as running:
+def test_sigterm_stops_every_worker_and_exits_zero(tmp_path):
+    import socket as pysocket
+
+    notify_path = str(tmp_path / "notify.sock")
+    notify = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_DGRAM)
+    notify.bind(notify_path)
+    notify.settimeout(60)
+    with Daemon([mlp_model()], env={"NOTIFY_SOCKET": notify_path}) as running:
         running.wait_ready()
+        messages = [notify.recv(4096).decode()]
+        assert "READY=1" in messages[0] and f"MAINPID={running.process.pid}" in messages[0]
         pids = running.worker_pids()
         assert running.stop() == 0
         for pid in pids:
-            poll_until(lambda: not os.path.exists(f"/proc/{pid}") or
-                       open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z", 10,
-                       message=f"worker {pid} gone")
+            poll_until(lambda: not alive(pid), 10, message=f"worker {pid} gone")
         unreachable = subprocess.run([sys.executable, "-m", "supervisor", "status", "--control",
                                       running.control, "--timeout", "1"], capture_output=True,
                                      text=True, cwd=ROOT, timeout=30)
         assert unreachable.returncode == 3, unreachable.stderr
+        notify.settimeout(0.5)
+        try:
+            while True:
+                messages.append(notify.recv(4096).decode())
+        except TimeoutError:
+            pass
+    notify.close()
+    assert any("STATUS=2/2 workers ready" in message for message in messages), messages
+    assert any("STOPPING=1" in message for message in messages), messages

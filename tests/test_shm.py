@@ -365,9 +365,11 @@ def test_no_leaks_after_client_kill_worker_kill_and_daemon_stop():
             x.fill_(3.0)
             assert torch.equal(client.infer("slow", x), x)
             mine = our_segments() - baseline
-            for pid in daemon.worker_pids():
+            killed = set(daemon.worker_pids())
+            for pid in killed:
                 os.kill(pid, signal.SIGKILL)
-            poll_until(lambda: len(daemon.workers(state="READY")) == 2, 60, message="workers back")
+            poll_until(lambda: len({w["pid"] for w in daemon.workers(state="READY")} - killed) == 2,
+                       60, message="two new workers READY")
             assert our_segments() - baseline == mine
             assert torch.equal(client.infer("slow", x), x)
 
