@@ -35,6 +35,7 @@ import asyncio
 import collections
 import concurrent.futures
 import itertools
+import math
 import os
 import secrets
 import threading
@@ -295,7 +296,7 @@ class _Session:
     def _learn_out_size(self, model: str, descs: list) -> None:
         total = 0
         for desc in descs:
-            nbytes = protocol.DTYPES[desc["dtype"]] * int(np.prod(desc["shape"], dtype=np.int64))
+            nbytes = protocol.DTYPES[desc["dtype"]] * math.prod(desc["shape"])
             if nbytes >= self.threshold:
                 total += _aligned(nbytes)
         self.out_guess[model] = total
