@@ -257,6 +257,16 @@ class _Session:
 
     # -- replies ----------------------------------------------------------------------------
 
+    def forgotten(self, header: dict, pending: _Pending, registered: set[str]) -> bool:
+        """True if the daemon no longer knows this connection's segments (it restarted, or the
+        socket reconnected): the caller registers them again and resends, once."""
+        error = header.get("error") or {}
+        if header.get("ok") or error.get("detail") != protocol.SEGMENT_NOT_REGISTERED:
+            return False
+        self.release(pending)
+        registered.clear()
+        return True
+
     def decode(self, pending: _Pending, header: dict, frames: list) -> Any:
         try:
             if not header.get("ok"):
@@ -428,14 +438,19 @@ class Client:
         timeout = self.timeout if timeout is None else timeout
         self.hello()
         connection = self._connection()
-        messages, pending = self._session.build(model, inputs, timeout, connection.registered, details)
-        try:
-            connection.send(messages)
-            header, frames = self._await(connection, pending.id, timeout + GRACE_S)
-        except BaseException:
-            self._session.discard(pending)
-            raise
-        return self._session.decode(pending, header, frames)
+        for attempt in range(2):
+            messages, pending = self._session.build(model, inputs, timeout, connection.registered,
+                                                    details)
+            try:
+                connection.send(messages)
+                header, frames = self._await(connection, pending.id, timeout + GRACE_S)
+            except BaseException:
+                self._session.discard(pending)
+                raise
+            if attempt == 0 and self._session.forgotten(header, pending, connection.registered):
+                continue
+            return self._session.decode(pending, header, frames)
+        raise AssertionError("unreachable: the second attempt always returns")
 
     def _await(self, connection: _Connection, request_id: Any, timeout: float) -> tuple[dict, list]:
         deadline = _now() + timeout
@@ -496,7 +511,7 @@ class _IOThread(threading.Thread):
         self.endpoint = endpoint
         self.session = session
         self.inbox: collections.deque = collections.deque()
-        self.waiting: dict[int, tuple[_Pending, concurrent.futures.Future, float]] = {}
+        self.waiting: dict[int, tuple[_Pending, concurrent.futures.Future, float, tuple]] = {}
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._stopping = False
@@ -527,7 +542,7 @@ class _IOThread(threading.Thread):
                     self._take_reply(connection)
                 self._expire()
         finally:
-            for pending, future, _ in self.waiting.values():
+            for pending, future, _, _ in self.waiting.values():
                 self.session.discard(pending)
                 future.set_exception(RuntimeError("the client was closed"))
             connection.close()
@@ -537,7 +552,7 @@ class _IOThread(threading.Thread):
     def _next_deadline(self) -> int | None:
         if not self.waiting:
             return None
-        soonest = min(deadline for _, _, deadline in self.waiting.values())
+        soonest = min(entry[2] for entry in self.waiting.values())
         return max(0, int((soonest - _now()) * 1000) + 1)
 
     def _take_inbox(self, connection: _Connection) -> None:
@@ -547,16 +562,20 @@ class _IOThread(threading.Thread):
             pass
         while self.inbox:
             model, inputs, timeout, details, future = self.inbox.popleft()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                messages, pending = self.session.build(model, inputs, timeout,
-                                                       connection.registered, details)
-                connection.send(messages)
-            except BaseException as exc:
-                future.set_exception(exc)
-                continue
-            self.waiting[pending.id] = (pending, future, _now() + timeout + GRACE_S)
+            if future.set_running_or_notify_cancel():
+                self._send(connection, (model, inputs, timeout, details), future, first=True)
+
+    def _send(self, connection: _Connection, request: tuple, future, first: bool) -> None:
+        model, inputs, timeout, details = request
+        try:
+            messages, pending = self.session.build(model, inputs, timeout, connection.registered,
+                                                   details)
+            connection.send(messages)
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        self.waiting[pending.id] = (pending, future, _now() + timeout + GRACE_S,
+                                    request if first else None)
 
     def _take_reply(self, connection: _Connection) -> None:
         # One message per readiness: the poll is level-triggered, the next pass takes the rest.
@@ -564,7 +583,10 @@ class _IOThread(threading.Thread):
         entry = self.waiting.pop(header.get("id"), None)
         if entry is None:
             return  # a registration's answer, or a reply we stopped waiting for
-        pending, future, _ = entry
+        pending, future, _, request = entry
+        if request is not None and self.session.forgotten(header, pending, connection.registered):
+            self._send(connection, request, future, first=False)
+            return
         try:
             future.set_result(self.session.decode(pending, header, payload))
         except BaseException as exc:
@@ -572,7 +594,7 @@ class _IOThread(threading.Thread):
 
     def _expire(self) -> None:
         now = _now()
-        for request_id, (pending, future, deadline) in list(self.waiting.items()):
+        for request_id, (pending, future, deadline, _) in list(self.waiting.items()):
             if now >= deadline:
                 del self.waiting[request_id]
                 self.session.discard(pending)
@@ -619,13 +641,17 @@ class AsyncClient:
                     details: bool = False) -> Any:
         timeout = self.timeout if timeout is None else timeout
         await self.hello()
-        messages, pending = self._session.build(model, inputs, timeout, self._registered, details)
-        try:
-            header, frames = await self._roundtrip(pending.id, messages, timeout + GRACE_S)
-        except BaseException:
-            self._session.discard(pending)
-            raise
-        return self._session.decode(pending, header, frames)
+        for attempt in range(2):
+            messages, pending = self._session.build(model, inputs, timeout, self._registered, details)
+            try:
+                header, frames = await self._roundtrip(pending.id, messages, timeout + GRACE_S)
+            except BaseException:
+                self._session.discard(pending)
+                raise
+            if attempt == 0 and self._session.forgotten(header, pending, self._registered):
+                continue
+            return self._session.decode(pending, header, frames)
+        raise AssertionError("unreachable: the second attempt always returns")
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         if self._session.offer is None:

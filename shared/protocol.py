@@ -30,13 +30,14 @@ the client, echoed in the reply; a client drops replies whose id it no longer wa
 
 ``hello``: ask what the daemon offers (protocol version, models, shared-memory settings).
 
-``register`` / ``unregister``: declare shared-memory segments this connection created::
+``register`` / ``unregister``: declare shared-memory segments this client created, per connection::
 
     {"type": "register", "id": 1, "segments": [["mw.123.456.<hex>", 67108864]],
      "session": "<32 hex>"}     # optional: lets this client's other connections register them too
     {"type": "unregister", "id": 2, "segments": ["mw.123.456.<hex>"]}
 
-On the control endpoint: ``status`` and ``restart`` (``{"target": "mlp"}`` or a worker id).
+On the control endpoint: ``status``, ``restart`` (``{"target": "mlp"}`` or a worker id) and
+``stop``.
 
 Tensors
 =======
@@ -78,6 +79,10 @@ Success::
 Failure (no payload frames)::
 
     {"id": 7, "ok": false, "error": {"code": "BAD_INPUT", "message": "..."}}
+
+An error may carry ``"detail"``: ``"segment_not_registered"`` means a descriptor named a segment
+this connection has not registered (for instance after the daemon restarted): register it and
+send the request again.
 
 ``id`` is null when the request's header could not be read. Every accepted request gets
 exactly one reply. Error codes are ERROR_CODES below.
@@ -122,7 +127,7 @@ ERROR_CODES: dict[str, str] = {
     TIMEOUT: "the request's deadline passed before an answer",
     OVERLOADED: "the model's queue is full; retry later",
     SHUTTING_DOWN: "the daemon is stopping and takes no new work",
-    INTERNAL: "a bug in modelwarden; the message says where",
+    INTERNAL: "a bug in modelwarden; the daemon's log has the details",
 }
 
 # -- dtypes: name -> itemsize in bytes ----------------------------------------------------------
@@ -167,13 +172,19 @@ _UNPACK_LIMITS = dict(
 )
 
 
-class ProtocolError(Exception):
-    """A message we cannot accept; ``code`` is one of ERROR_CODES."""
+# -- error details: machine-readable refinements of a code, for clients to act on -------------
+SEGMENT_NOT_REGISTERED = "segment_not_registered"  # register it on this connection, then resend
 
-    def __init__(self, code: str, message: str) -> None:
+
+class ProtocolError(Exception):
+    """A message we cannot accept; ``code`` is one of ERROR_CODES, ``detail`` an optional
+    refinement a client can act on (SEGMENT_NOT_REGISTERED)."""
+
+    def __init__(self, code: str, message: str, detail: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.detail = detail
 
 
 def bad(message: str) -> ProtocolError:
@@ -228,8 +239,11 @@ def reply_route(frames: list) -> list:
     return frames[:2] if len(frames) > 1 and len(frames[1]) == 0 else frames[:1]
 
 
-def error_header(request_id: Any, code: str, message: str) -> dict:
-    return {"id": request_id, "ok": False, "error": {"code": code, "message": message}}
+def error_header(request_id: Any, code: str, message: str, detail: str | None = None) -> dict:
+    error = {"code": code, "message": message}
+    if detail is not None:
+        error["detail"] = detail
+    return {"id": request_id, "ok": False, "error": error}
 
 
 # -- header fields ------------------------------------------------------------------------------

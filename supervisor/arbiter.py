@@ -17,6 +17,7 @@ import functools
 import grp
 import logging
 import math
+import re
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -462,7 +463,7 @@ class Arbiter:
             return [name for pool in self.pools.values() for name in pool.restart()]
         name, _, slot = target.partition("#")
         pool = self.pools.get(name)
-        if pool is None or (slot and not (slot.isdigit() and int(slot) < len(pool.slots))):
+        if pool is None or (slot and not (re.fullmatch(r"[0-9]{1,6}", slot) and int(slot) < len(pool.slots))):
             raise ProtocolError(BAD_REQUEST, f"no model or worker named {target!r}")
         return pool.restart(int(slot) if slot else None)
 

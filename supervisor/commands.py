@@ -154,7 +154,8 @@ def status_table(status: dict) -> str:
                  for row in rows)
     for worker in status["workers"]:
         if worker.get("error") or (worker["state"] != "READY" and worker.get("last_exit")):
-            lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}; {worker.get('error') or ''}".rstrip("; "))
+            error = f"; {worker['error']}" if worker.get("error") else ""
+            lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}{error}")
     return "\n".join(lines)
 
 

@@ -64,7 +64,7 @@ class Router:
                 raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(pool.queue)} requests "
                                     "queued (max_queue); retry later")
         except ProtocolError as exc:
-            self.send_error(socket, envelope.route, request_id, exc.code, exc.message)
+            self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
             return
         now = arbiter.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
@@ -196,10 +196,10 @@ class Router:
         self.finish(request, protocol.error_header(request.client_id, code, message))
 
     def send_error(self, socket: zmq.Socket, route: list, request_id: Any, code: str,
-                   message: str) -> None:
+                   message: str, detail: str | None = None) -> None:
         try:
             send_parts(socket, [*route, SIGNATURE, protocol.pack(
-                protocol.error_header(request_id, code, message))])
+                protocol.error_header(request_id, code, message, detail))])
         except zmq.ZMQError as exc:
             logger.warning("could not send a %s error: %s", code, exc)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Callable
 
 from shared import shm
-from shared.protocol import bad, segment_owner
+from shared.protocol import (BAD_REQUEST, SEGMENT_NOT_REGISTERED, ProtocolError, bad,
+                             segment_owner)
 
 MAX_SEGMENTS_PER_CONNECTION = 4096
 
@@ -39,7 +40,8 @@ class SegmentRegistry:
         Without a session key the connection itself is the key."""
         key = session if session is not None else connection
         mine = self._by_connection.get(connection, {})
-        if len(mine) + len(items) > MAX_SEGMENTS_PER_CONNECTION:
+        new = {name for name, _ in items if name not in mine}
+        if len(mine) + len(new) > MAX_SEGMENTS_PER_CONNECTION:
             raise bad(f"a connection may register at most {MAX_SEGMENTS_PER_CONNECTION} segments")
         for index, (name, size) in enumerate(items):
             self._check_registrable(key, name, size, f"segment {index}")
@@ -85,7 +87,8 @@ class SegmentRegistry:
         name, offset, nbytes = region
         size = self._by_connection.get(connection, {}).get(name)
         if size is None:
-            raise bad(f"{what}: segment is not registered on this connection")
+            raise ProtocolError(BAD_REQUEST, f"{what}: segment is not registered on this connection",
+                                SEGMENT_NOT_REGISTERED)
         if offset > size or nbytes > size - offset:
             raise bad(f"{what}: region [offset {offset}, +{nbytes}) lies outside the segment's "
                       f"{size} registered bytes")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
-import time
+import threading
 
 import torch
 from torch import nn
@@ -76,8 +76,9 @@ class Faulty(nn.Module):
         elif self.fault == "exit0":
             os._exit(0)
         elif self.fault == "hang":
-            while True:  # a model stuck in forward: nothing here ever returns
-                time.sleep(3600)
+            stuck = threading.Event()  # never set: a model stuck in forward never returns
+            while True:
+                stuck.wait(3600)
         elif self.fault == "leak":
             block = bytearray(self.leak_mb * 1024 * 1024)
             block[::4096] = b"x" * len(block[::4096])  # touch every page: make it resident
@@ -107,7 +108,7 @@ class Echo(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.delay:
-            time.sleep(self.delay)  # a slow model: not synchronisation
+            threading.Event().wait(self.delay)  # a slow model's compute time, not a sync point
         if self.copy:
             args = tuple(arg.clone() for arg in args)
             kwargs = {key: value.clone() for key, value in kwargs.items()}

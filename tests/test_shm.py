@@ -404,3 +404,33 @@ def test_threads_and_futures_share_one_clients_shared_memory(daemon):
         assert not errors, errors
         assert results == [True] * 4
         assert all(same_bytes(future.result(timeout=30), made) for future in futures)
+
+
+def test_clients_survive_a_daemon_restart():
+    import asyncio
+
+    from shared.client import AsyncClient
+
+    with Daemon([echo("fresh", copy=True)], daemon={"shm_threshold": THRESHOLD}) as daemon:
+        daemon.wait_ready()
+        x = sample(torch.float32, (64, 64))
+        client = Client(daemon.endpoint)
+        try:
+            made = client.empty((64, 64))
+            made.copy_(x)
+            assert same_bytes(client.infer("fresh", made), x)
+            assert same_bytes(client.submit("fresh", x).result(timeout=30), x)
+            assert daemon.stop() == 0
+            daemon.start()  # a new daemon knows none of this client's segments
+            daemon.wait_ready()
+            assert same_bytes(client.infer("fresh", made), x)  # registers again and resends
+            assert same_bytes(client.infer("fresh", x), x)
+            assert same_bytes(client.submit("fresh", made).result(timeout=30), x)
+
+            async def use_async():
+                async with AsyncClient(daemon.endpoint) as async_client:
+                    return await async_client.infer("fresh", x)
+
+            assert same_bytes(asyncio.run(use_async()), x)
+        finally:
+            client.close()

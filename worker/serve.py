@@ -15,7 +15,8 @@ internal, so it carries no signature frame: one frame fewer per message on the h
     [{"type": "stop"}]                                        exit 0 (sent once drained)
   worker -> supervisor
     [{"type": "state", "state": "LOADING"|"WARMING"|"READY", "info": {...}}]
-          info: pid, device, cores, threads, interop_threads (LOADING, READY), probe_baseline_us
+          info: LOADING: pid, device, cores, threads, interop_threads
+                READY: device, cores, threads, interop_threads, probe_baseline_us
     [{"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
     [{"type": "heartbeat", "served": N, "cuda_bytes": N}]    cuda_bytes on GPU workers only
     [{"type": "result", "rid": N, "ok": true, "outputs": TREE, "tensors": [...],
