@@ -34,74 +34,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import itertools
-import math
 import os
-import secrets
 import threading
 import time
-import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import zmq
 import zmq.asyncio
 
 from shared import protocol
-from shared.codec import (TORCH_DTYPES, as_tensor, dtype_name, flatten, from_bytes, raw_bytes,
-                          to_numpy, unflatten)
 from shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
+                           OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
+                           UnknownModel, WorkerDied, error_from_reply)
 from shared.protocol import SIGNATURE
-from shared.shm import ALIGN, Region, ShmArena
+from shared.session import Pending, Reply, Session
 from shared.sockets import recv_parts, send_parts
 
 GRACE_S = 1.0  # how much longer than the request timeout the client waits for the daemon
-
-
-# -- errors -------------------------------------------------------------------------------------
-
-
-class RemoteError(Exception):
-    """A request failed; ``code`` is one of shared.protocol.ERROR_CODES."""
-
-    code = "REMOTE_ERROR"
-
-    def __init__(self, message: str, request_id: Any = None, worker: str | None = None) -> None:
-        super().__init__(f"{self.code}: {message}")
-        self.message = message
-        self.request_id = request_id
-        self.worker = worker
-
-
-def _error_class(code: str) -> type[RemoteError]:
-    name = "".join(part.title() for part in code.split("_"))
-    return type(name, (RemoteError,), {"code": code, "__doc__": protocol.ERROR_CODES[code]})
-
-
-BadRequest = _error_class(protocol.BAD_REQUEST)
-BadInput = _error_class(protocol.BAD_INPUT)
-UnknownModel = _error_class(protocol.UNKNOWN_MODEL)
-NoWorker = _error_class(protocol.NO_WORKER)
-ModelError = _error_class(protocol.MODEL_ERROR)
-OutOfMemory = _error_class(protocol.OUT_OF_MEMORY)
-WorkerDied = _error_class(protocol.WORKER_DIED)
-Poison = _error_class(protocol.POISON)
-Timeout = _error_class(protocol.TIMEOUT)
-Overloaded = _error_class(protocol.OVERLOADED)
-ShuttingDown = _error_class(protocol.SHUTTING_DOWN)
-InternalError = _error_class(protocol.INTERNAL)
-
-ERRORS: dict[str, type[RemoteError]] = {
-    cls.code: cls for cls in (BadRequest, BadInput, UnknownModel, NoWorker, ModelError, OutOfMemory,
-                              WorkerDied, Poison, Timeout, Overloaded, ShuttingDown, InternalError)}
-
-
-def error_from_reply(header: dict) -> RemoteError:
-    error = header.get("error") or {}
-    cls = ERRORS.get(error.get("code"), RemoteError)
-    return cls(str(error.get("message", "")), header.get("id"), header.get("worker"))
 
 
 # -- finding the daemon -------------------------------------------------------------------------
@@ -121,228 +72,6 @@ def default_endpoint() -> str:
         if ipc or frontends:
             return (ipc or frontends)[0]
     return f"ipc://{default_runtime_dir()}/frontend.sock"
-
-
-@dataclass
-class Reply:
-    """What ``infer(..., details=True)`` returns: outputs plus where and how long."""
-
-    outputs: Any
-    worker: str | None
-    timing: dict
-
-
-# -- what a request needs while it is in flight --------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Pending:
-    id: int
-    model: str
-    numpy_out: bool
-    details: bool
-    keep: list  # input tensors: their memory may be read in place until the reply
-    regions: list[Region] = field(default_factory=list)  # leases this request holds
-    segments: list = field(default_factory=list)  # every segment it references
-    deadline: float = 0.0
-
-
-class _Session:
-    """State shared by every connection of one client: endpoint, what the daemon offers, the
-    shared-memory arena, request ids, and output-size guesses."""
-
-    def __init__(self, endpoint: str, shm: bool | None, copy_outputs: bool) -> None:
-        self.endpoint = endpoint
-        self.want_shm = shm is not False and endpoint.startswith("ipc://")
-        self.copy_outputs = copy_outputs
-        self.offer: dict | None = None
-        self.arena: ShmArena | None = None
-        self.threshold = 1 << 62
-        self.ids = itertools.count(1)
-        self.session_key = secrets.token_hex(16)  # proves to the daemon that our threads are us
-        self.out_guess: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def accept_offer(self, offer: dict) -> None:
-        with self._lock:
-            if self.offer is not None:
-                return
-            self.offer = offer
-            shm = offer.get("shm") or {}
-            if self.want_shm and shm.get("enabled"):
-                self.threshold = int(shm.get("threshold", 64 * 1024))
-                self.arena = ShmArena(group=shm.get("group"))
-
-    def hello_message(self) -> tuple[int, list]:
-        request_id = next(self.ids)
-        return request_id, [SIGNATURE, protocol.pack({"type": "hello", "id": request_id})]
-
-    # -- requests ---------------------------------------------------------------------------
-
-    def build(self, model: str, inputs: Any, timeout: float, registered: set[str],
-              details: bool = False) -> tuple[list[list], _Pending]:
-        """The messages to send (registrations first, then the request) and its pending record."""
-        leaves: list = []
-        tree = flatten(inputs, leaves)
-        numpy_out = bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
-        tensors = [as_tensor(leaf) for leaf in leaves]
-        pending = _Pending(next(self.ids), model, numpy_out, details, keep=list(tensors))
-        descs, frames = [], []
-        try:
-            for tensor in tensors:
-                descs.append(self._describe(tensor, frames, pending))
-            out = self._out_region(model, tensors, pending)
-        except BaseException:
-            self.release(pending)
-            raise
-        header = {"type": "infer", "id": pending.id, "model": model, "inputs": tree,
-                  "tensors": descs, "timeout_ms": int(timeout * 1000)}
-        if out is not None:
-            header["out"] = out
-        messages = self._registrations(pending, registered)
-        messages.append([SIGNATURE, protocol.pack(header), *frames])
-        return messages, pending
-
-    def _describe(self, tensor: torch.Tensor, frames: list, pending: _Pending) -> dict:
-        dtype = dtype_name(tensor.dtype)
-        desc = {"dtype": dtype, "shape": list(tensor.shape)}
-        nbytes = tensor.numel() * tensor.element_size()
-        arena = self.arena
-        if arena is not None and nbytes >= self.threshold and nbytes:
-            where = tensor.is_contiguous() and tensor.device.type == "cpu" and arena.locate(
-                tensor.data_ptr(), nbytes)
-            if where:  # made by empty(): zero copies
-                desc["shm"] = [where[0].name, where[1], nbytes]
-                pending.segments.append(where[0])
-                return desc
-            region = arena.alloc(nbytes)
-            pending.regions.append(region)
-            pending.segments.append(region.segment)
-            staging = from_bytes(region.bytes_view(0, nbytes), dtype, tuple(tensor.shape))
-            staging.copy_(tensor)
-            desc["shm"] = [region.segment.name, region.offset, nbytes]
-            return desc
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            tensor = tensor.detach().to("cpu").contiguous()
-            pending.keep.append(tensor)
-        desc["frame"] = len(frames)
-        frames.append(raw_bytes(tensor))
-        return desc
-
-    def _out_region(self, model: str, tensors: list, pending: _Pending) -> list | None:
-        if self.arena is None:
-            return None
-        guess = self.out_guess.get(model)
-        if guess is None:
-            guess = sum(_aligned(t.numel() * t.element_size()) for t in tensors
-                        if t.numel() * t.element_size() >= self.threshold)
-        if guess < self.threshold:
-            return None
-        region = self.arena.alloc(guess)
-        pending.regions.append(region)
-        pending.segments.append(region.segment)
-        return [region.segment.name, region.offset, region.capacity]
-
-    def _registrations(self, pending: _Pending, registered: set[str]) -> list[list]:
-        """A register message for the segments this connection has not declared yet; sent just
-        before the request on the same socket, so the daemon sees it first (no round trip)."""
-        new = {segment.name: segment.size for segment in pending.segments
-               if segment.name not in registered}
-        if not new:
-            return []
-        registered.update(new)
-        header = {"type": "register", "id": f"register-{next(self.ids)}", "session": self.session_key,
-                  "segments": [[name, size] for name, size in new.items()]}
-        return [[SIGNATURE, protocol.pack(header)]]
-
-    # -- replies ----------------------------------------------------------------------------
-
-    def forgotten(self, header: dict, pending: _Pending, registered: set[str]) -> bool:
-        """True if the daemon no longer knows this connection's segments (it restarted, or the
-        socket reconnected): the caller registers them again and resends, once."""
-        error = header.get("error") or {}
-        if header.get("ok") or error.get("detail") != protocol.SEGMENT_NOT_REGISTERED:
-            return False
-        self.release(pending)
-        registered.clear()
-        return True
-
-    def decode(self, pending: _Pending, header: dict, frames: list) -> Any:
-        try:
-            if not header.get("ok"):
-                error = error_from_reply(header)
-                if isinstance(error, Timeout):
-                    self.discard(pending)  # the worker may still touch its buffers
-                raise error
-            tensors = [self._tensor(desc, frames) for desc in header.get("tensors") or []]
-            self._learn_out_size(pending.model, header.get("tensors") or [])
-        finally:
-            self.release(pending)
-        if pending.numpy_out:
-            tensors = [to_numpy(tensor) for tensor in tensors]
-        outputs = unflatten(header.get("outputs"), tensors)
-        if pending.details:
-            return Reply(outputs, header.get("worker"), header.get("timing") or {})
-        return outputs
-
-    def _tensor(self, desc: dict, frames: list) -> torch.Tensor:
-        dtype, shape = desc["dtype"], tuple(desc["shape"])
-        if "frame" in desc:
-            tensor = from_bytes(frames[desc["frame"]].buffer, dtype, shape)
-            return tensor.clone() if self.copy_outputs else tensor
-        name, offset, nbytes = desc["shm"]
-        segment = self.arena.segment(name) if self.arena else None
-        if segment is None:
-            raise InternalError("the daemon returned a segment this client does not own")
-        view = segment.array[offset:offset + nbytes]
-        tensor = from_bytes(view, dtype, shape)
-        if self.copy_outputs:
-            return tensor.clone()
-        region = self.arena.region_of(name)
-        region.retain()
-        weakref.finalize(view, region.release)  # the region is reused once the tensor is freed
-        return tensor
-
-    def _learn_out_size(self, model: str, descs: list) -> None:
-        total = 0
-        for desc in descs:
-            nbytes = protocol.DTYPES[desc["dtype"]] * math.prod(desc["shape"])
-            if nbytes >= self.threshold:
-                total += _aligned(nbytes)
-        self.out_guess[model] = total
-
-    def release(self, pending: _Pending) -> None:
-        regions, pending.regions = pending.regions, []
-        for region in regions:
-            region.release()
-
-    def discard(self, pending: _Pending) -> None:
-        """Never reuse this request's buffers: a worker may still write into them."""
-        regions, pending.regions = pending.regions, []
-        if self.arena is not None:
-            for region in regions:
-                self.arena.discard(region)
-
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        if self.arena is None:
-            return torch.empty(shape, dtype=dtype)
-        name = dtype_name(dtype)
-        shape = tuple(shape)
-        nbytes = protocol.tensor_nbytes(name, shape)
-        if nbytes < self.threshold:
-            return torch.empty(shape, dtype=dtype)
-        region = self.arena.alloc(nbytes)  # the tensor holds the one reference
-        view = region.bytes_view(0, nbytes)
-        weakref.finalize(view, region.release)
-        return from_bytes(view, name, shape)
-
-    def close(self) -> None:
-        if self.arena is not None:
-            self.arena.close()
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 # -- one socket ---------------------------------------------------------------------------------
@@ -395,7 +124,7 @@ class Client:
                  shm: bool | None = None, copy_outputs: bool = False) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
-        self._session = _Session(self.endpoint, shm, copy_outputs)
+        self._session = Session(self.endpoint, shm, copy_outputs)
         self._context = zmq.Context()
         self._local = threading.local()
         self._connections: list[_Connection] = []
@@ -505,13 +234,13 @@ def _now() -> float:
 class _IOThread(threading.Thread):
     """Owns one connection for ``submit``: callers hand it requests through a deque and a pipe."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, session: _Session) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, session: Session) -> None:
         super().__init__(name="modelwarden-client-io", daemon=True)
         self.context = context
         self.endpoint = endpoint
         self.session = session
         self.inbox: collections.deque = collections.deque()
-        self.waiting: dict[int, tuple[_Pending, concurrent.futures.Future, float, tuple]] = {}
+        self.waiting: dict[int, tuple[Pending, concurrent.futures.Future, float, tuple]] = {}
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._stopping = False
@@ -611,7 +340,7 @@ class AsyncClient:
                  shm: bool | None = None, copy_outputs: bool = False) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
-        self._session = _Session(self.endpoint, shm, copy_outputs)
+        self._session = Session(self.endpoint, shm, copy_outputs)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -717,5 +446,6 @@ def control_request(endpoint: str, header: dict, timeout: float = 5.0) -> dict:
         context.term()
 
 
-__all__ = ["Client", "AsyncClient", "Reply", "RemoteError", "control_request", "default_endpoint",
-           *[cls.__name__ for cls in ERRORS.values()], "TORCH_DTYPES"]
+__all__ = ["Client", "AsyncClient", "Reply", "control_request", "default_endpoint", "RemoteError",
+           "BadRequest", "BadInput", "UnknownModel", "NoWorker", "ModelError", "OutOfMemory",
+           "WorkerDied", "Poison", "Timeout", "Overloaded", "ShuttingDown", "InternalError"]

@@ -12,9 +12,7 @@ signals into the same commands the control socket takes.
 
 from __future__ import annotations
 
-import fcntl
 import functools
-import grp
 import logging
 import math
 import re
@@ -39,6 +37,7 @@ from supervisor.placement import SlotPlacement, plan
 from supervisor.pool import ModelPool
 from supervisor.probes import ProbeJudge, load_golden
 from supervisor.router import Router
+from supervisor.runtime import DaemonError, claim_runtime_dir
 from supervisor.segments import SegmentRegistry
 from supervisor.systemd import Notifier
 from supervisor.timers import Timers
@@ -49,10 +48,6 @@ logger = logging.getLogger(__name__)
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
-
-
-class DaemonError(RuntimeError):
-    """The daemon cannot start (runtime directory, lock, endpoints)."""
 
 
 class Arbiter:
@@ -76,7 +71,7 @@ class Arbiter:
         self._by_sentinel: dict[int, WorkerHandle] = {}
         self._handlers: dict = {}
         self._spawn = multiprocessing.get_context("spawn")
-        self._lock_file = None
+        self._lock = None
         self.context = zmq.Context()
         self.poller = zmq.Poller()
         self.frontends: list[zmq.Socket] = []
@@ -92,7 +87,7 @@ class Arbiter:
     # -- life -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        self._prepare_runtime_dir()
+        self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         removed = shm.sweep_orphans()
         if removed:
             logger.info("removed %d shared-memory segment(s) left by dead clients", len(removed))
@@ -133,27 +128,6 @@ class Arbiter:
             handler()
         except Exception:
             logger.exception("unexpected error in %s", getattr(handler, "__name__", handler))
-
-    def _prepare_runtime_dir(self) -> None:
-        runtime = self.settings.runtime_dir
-        group = self.settings.daemon.shm_group
-        try:
-            runtime.mkdir(parents=True, exist_ok=True)
-            os.chmod(runtime, 0o770 if group else 0o700)
-            if group:
-                os.chown(runtime, -1, grp.getgrnam(group).gr_gid)
-            self._lock_file = open(runtime / "modelwarden.pid", "a+")
-            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock_file.seek(0)
-            other = self._lock_file.read().strip() or "?"
-            raise DaemonError(f"another modelwarden daemon (pid {other}) uses {runtime}") from None
-        except (OSError, KeyError) as exc:
-            raise DaemonError(f"cannot prepare runtime directory {runtime}: {exc}") from None
-        self._lock_file.seek(0)
-        self._lock_file.truncate()
-        self._lock_file.write(f"{os.getpid()}\n")
-        self._lock_file.flush()
 
     def _bind(self) -> None:
         daemon = self.settings.daemon
@@ -218,8 +192,8 @@ class Arbiter:
             if sock is not None:
                 sock.close()
         self.context.term()
-        if self._lock_file is not None:
-            self._lock_file.close()
+        if self._lock is not None:
+            self._lock.close()
 
     def _summary(self) -> str:
         ready = sum(pool.ready_count() for pool in self.pools.values())

@@ -123,7 +123,8 @@ def cmd_serve(args) -> int:
 
 def _run_daemon(settings, plan) -> int:
     from shared.logs import setup_logging
-    from supervisor.arbiter import Arbiter, DaemonError
+    from supervisor.arbiter import Arbiter
+    from supervisor.runtime import DaemonError
 
     setup_logging("supervisor", settings.daemon.log_level, settings.daemon.log_format)
     try:

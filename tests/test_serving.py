@@ -298,3 +298,14 @@ def test_sigterm_stops_every_worker_and_exits_zero(tmp_path):
     notify.close()
     assert any("STATUS=2/2 workers ready" in message for message in messages), messages
     assert any("STOPPING=1" in message for message in messages), messages
+
+
+def test_a_second_daemon_on_the_same_runtime_dir_refuses_to_start(daemon):
+    result = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config",
+                             str(daemon.config_path)], capture_output=True, text=True, cwd=ROOT,
+                            timeout=60)
+    assert result.returncode == 1
+    assert f"another modelwarden daemon (pid {daemon.process.pid})" in result.stderr
+    x = torch.randn(2, 64)
+    with Client(daemon.endpoint) as client:  # the first one still owns its sockets
+        torch.testing.assert_close(client.infer("mlp", x), REFERENCE(x))
