@@ -5,8 +5,11 @@
 Starts a real daemon (the test model of tests/faulty.py, healthy), runs ``--clients`` client
 threads for ``--minutes`` while a killer SIGKILLs a random READY worker every ``--kill-every``
 seconds, then prints and writes (bench/results/soak.json) the counts. The contract: every request
-sent is answered (sent == ok + typed errors), none is answered wrongly, and with retries on none
-fails (ok == sent). Exits 1 if the contract is broken.
+sent is answered (sent == ok + typed errors), none is answered wrongly, no shared memory leaks,
+and the only failures are POISON: a request that was in flight on two workers that both died (the
+retry rule: re-sent once; a second death means poison, never retried again). Each POISON needs
+two kills landing on the same request, so there are at most kills / 2 of them; at a kill every
+0.3 s they are rare. Exits 1 if the contract is broken.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def main() -> int:
     print(json.dumps(report, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2))
-    kept = counts.reconciles() and counts.ok == counts.sent and counts.wrong == 0 and not leaked
+    only_poison = set(counts.errors) <= {"POISON"} and 2 * counts.errors["POISON"] <= len(kills)
+    kept = counts.reconciles() and counts.wrong == 0 and only_poison and not leaked
     print("contract kept" if kept else "CONTRACT BROKEN")
     return 0 if kept else 1
 
