@@ -53,6 +53,7 @@ from shared.session import Pending, Reply, Session
 from shared.sockets import recv_parts, send_parts
 
 GRACE_S = 1.0  # how much longer than the request timeout the client waits for the daemon
+HELLO_TIMEOUT_S = 10.0  # the first exchange has no queue to wait in: a silent daemon is down
 
 
 # -- finding the daemon -------------------------------------------------------------------------
@@ -112,6 +113,10 @@ def _parse_reply(frames: list) -> tuple[dict, list]:
 
 
 def _deadline_error(endpoint: str, timeout: float) -> Timeout:
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    if path is not None and not os.path.exists(path):
+        return Timeout(f"no daemon at {endpoint}: the socket file does not exist "
+                       "(is the daemon running? is this its runtime directory?)")
     return Timeout(f"no reply from the daemon at {endpoint} within {timeout:.1f}s "
                    "(is it running? is it overloaded?)")
 
@@ -155,7 +160,7 @@ class Client:
             connection = self._connection()
             request_id, message = self._session.hello_message()
             connection.send([message])
-            header, _ = self._await(connection, request_id, self.timeout)
+            header, _ = self._await(connection, request_id, min(self.timeout, HELLO_TIMEOUT_S))
             if not header.get("ok"):
                 raise error_from_reply(header)
             self._session.accept_offer(header)
@@ -360,7 +365,8 @@ class AsyncClient:
     async def hello(self) -> dict:
         if self._session.offer is None:
             request_id, message = self._session.hello_message()
-            header, _ = await self._roundtrip(request_id, [message], self.timeout)
+            header, _ = await self._roundtrip(request_id, [message],
+                                              min(self.timeout, HELLO_TIMEOUT_S))
             if not header.get("ok"):
                 raise error_from_reply(header)
             self._session.accept_offer(header)

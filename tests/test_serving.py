@@ -309,3 +309,11 @@ def test_a_second_daemon_on_the_same_runtime_dir_refuses_to_start(daemon):
     x = torch.randn(2, 64)
     with Client(daemon.endpoint) as client:  # the first one still owns its sockets
         torch.testing.assert_close(client.infer("mlp", x), REFERENCE(x))
+
+
+def test_a_client_without_a_daemon_says_so(tmp_path):
+    from shared.client import Timeout
+
+    with Client(f"ipc://{tmp_path}/nothing.sock", timeout=0.5) as client:
+        with pytest.raises(Timeout, match="socket file does not exist"):
+            client.infer("mlp", torch.randn(1, 64))
