@@ -12,6 +12,8 @@ Paths measured:
   mw-inline       modelwarden, inline ZeroMQ frames (shared memory off)
   zmq-reqrep      bare pyzmq REQ/REP between two processes
   zmq-proxy       the same through a C-level zmq.proxy(ROUTER, DEALER) broker process
+  py-broker       the same through the smallest Python broker (a poll loop forwarding frames
+                  between ROUTER and DEALER, parsing nothing): the floor for any Python router
   procpool        concurrent.futures.ProcessPoolExecutor (numpy arrays, pickled)
   tmp-fresh       torch.multiprocessing queues, a fresh tensor per call
   tmp-shared      torch.multiprocessing queues, one tensor already in shared memory
@@ -93,6 +95,21 @@ def _proxy(frontend: str, backend: str) -> None:
     zmq.proxy(front, back)
 
 
+def _python_broker(frontend: str, backend: str) -> None:
+    from shared.sockets import recv_parts, send_parts
+
+    context = zmq.Context()
+    front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    front.bind(frontend)
+    back.bind(backend)
+    poller = zmq.Poller()
+    poller.register(front, zmq.POLLIN)
+    poller.register(back, zmq.POLLIN)
+    while True:
+        for sock, _ in poller.poll():
+            send_parts(back if sock is front else front, recv_parts(sock))
+
+
 def _identity(x):
     return x
 
@@ -106,17 +123,20 @@ def _tmp_echo(inbox, outbox) -> None:
 
 
 def bench_zmq(workdir: Path, spawn, sizes, iterations) -> dict:
-    results = {"zmq-reqrep": {}, "zmq-proxy": {}}
+    results = {"zmq-reqrep": {}, "zmq-proxy": {}, "py-broker": {}}
     direct = f"ipc://{workdir}/direct.sock"
     front, back = f"ipc://{workdir}/front.sock", f"ipc://{workdir}/backend.sock"
+    py_front, py_back = f"ipc://{workdir}/pyfront.sock", f"ipc://{workdir}/pybackend.sock"
     processes = [spawn.Process(target=_rep_server, args=(direct,), daemon=True),
                  spawn.Process(target=_proxy, args=(front, back), daemon=True),
-                 spawn.Process(target=_rep_server, args=(back,), daemon=True)]
+                 spawn.Process(target=_rep_server, args=(back,), daemon=True),
+                 spawn.Process(target=_python_broker, args=(py_front, py_back), daemon=True),
+                 spawn.Process(target=_rep_server, args=(py_back,), daemon=True)]
     for process in processes:
         process.start()
     context = zmq.Context()
     try:
-        for name, endpoint in (("zmq-reqrep", direct), ("zmq-proxy", front)):
+        for name, endpoint in (("zmq-reqrep", direct), ("zmq-proxy", front), ("py-broker", py_front)):
             sock = context.socket(zmq.REQ)
             sock.connect(endpoint)
             for size, nbytes in sizes.items():
@@ -301,6 +321,10 @@ def ratios(results: dict) -> list[dict]:
     return report
 
 
+def p50_of(results: dict, path: str, size: str) -> float:
+    return results[path][size]["p50_us"]
+
+
 def print_table(results: dict, sizes) -> None:
     print(f"{'path':14s} {'size':>6s} {'p50':>11s} {'p99':>11s} {'req/s':>9s} {'MB/s':>9s}")
     for path, by_size in results.items():
@@ -335,7 +359,10 @@ def main() -> int:
     print_table(results, SIZES)
     report = ratios(results)
     cpu = results["cpu-per-request"]
-    print(f"\nwhere the time goes, per 1 KiB round trip ({cpu['wall_us']} us wall): CPU "
+    floor = p50_of(results, "py-broker", "1KiB") / p50_of(results, "zmq-proxy", "1KiB")
+    print(f"\nthe smallest Python broker (parsing nothing) takes {floor:.2f}x the C proxy's 1 KiB "
+          "round trip: the floor for any router written in Python on this machine")
+    print(f"where the time goes, per 1 KiB round trip ({cpu['wall_us']} us wall): CPU "
           f"client {cpu['client_us']} us, supervisor {cpu['supervisor_us']} us, "
           f"worker {cpu['worker_us']} us (all threads, user + system)")
     print()

@@ -37,6 +37,7 @@ if set(TORCH_DTYPES) != set(DTYPES):  # the protocol table and this one must agr
 # Received frames are read-only memoryviews over buffers ZeroMQ owns; a tensor over one is safe
 # to read, and torch warns about it once per process. The warning says nothing we act on.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -89,23 +90,28 @@ def unflatten(tree: Any, leaves: list) -> Any:
     return {key: unflatten(item, leaves) for key, item in tree["dict"].items()}
 
 
-def raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (0-d, empty, bool, bfloat16 included)."""
-    flat = tensor.reshape(-1)
-    if flat.dtype != torch.uint8:
-        flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy())
+def raw_bytes(tensor: torch.Tensor):
+    """A zero-copy buffer over a contiguous CPU tensor's bytes (0-d, empty, bool, bfloat16 too).
+    A numpy view is the cheapest buffer torch offers; bfloat16, which numpy lacks, is viewed as
+    int16 (same bytes)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
 
 
 def from_bytes(buffer: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """A tensor over ``buffer`` (a frame, a memoryview, a numpy uint8 array), without a copy.
-
-    The tensor keeps the buffer alive (numpy holds it as the array's base)."""
-    array = buffer if isinstance(buffer, np.ndarray) else np.frombuffer(buffer, dtype=np.uint8)
-    flat = torch.from_numpy(array)
+    """A tensor over ``buffer`` (a frame's memoryview, or a numpy uint8 array over shared
+    memory), without a copy. The tensor keeps the buffer alive (torch holds a reference to a
+    buffer's owner; numpy holds its base)."""
     torch_dtype = TORCH_DTYPES[dtype]
-    if torch_dtype != torch.uint8:
-        flat = flat.view(torch_dtype)
+    if isinstance(buffer, np.ndarray):
+        flat = torch.from_numpy(buffer)
+        if torch_dtype != torch.uint8:
+            flat = flat.view(torch_dtype)
+    elif len(buffer) == 0:  # torch.frombuffer refuses empty buffers
+        return torch.empty(shape, dtype=torch_dtype)
+    else:
+        flat = torch.frombuffer(buffer, dtype=torch_dtype)
     return flat.reshape(shape)
 
 

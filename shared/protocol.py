@@ -93,7 +93,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -286,21 +286,14 @@ def require_uint(value: Any, what: str, limit: int = MAX_INT) -> int:
 # -- tensors ------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True, frozen=True)
-class TensorDesc:
+class TensorDesc(NamedTuple):
+    """A checked descriptor. A NamedTuple: the hot path builds one per tensor per hop."""
+
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     frame: int | None = None
     shm: tuple[str, int, int] | None = None  # (segment, offset, nbytes)
-
-    def to_wire(self) -> dict:
-        out: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape)}
-        if self.shm is not None:
-            out["shm"] = list(self.shm)
-        else:
-            out["frame"] = self.frame
-        return out
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:

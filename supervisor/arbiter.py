@@ -13,6 +13,7 @@ signals into the same commands the control socket takes.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import re
@@ -104,6 +105,7 @@ class Arbiter:
                     ", ".join(self.pools) or "no models", " ".join(self.settings.frontends),
                     self.settings.control_endpoint)
         self.notifier.ready(self._summary())
+        gc.freeze()  # start-up objects live forever: keep the collector from rescanning them
         try:
             self._loop()
         finally:

@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# {"type": "run", "rid": N} with N packed separately: the same bytes as packing the whole map,
+# for a fraction of the cost on the hot path.
+_RUN_PREFIX = b"\x82" + protocol.pack("type") + protocol.pack("run") + protocol.pack("rid")
+
+
 class Router:
     def __init__(self, arbiter: "Arbiter") -> None:
         self.arbiter = arbiter
@@ -104,7 +109,7 @@ class Router:
                 self._send_probe(handle, now)
 
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
-        envelope = protocol.pack({"type": "run", "rid": request.rid})
+        envelope = _RUN_PREFIX + protocol.pack(request.rid)
         send_parts(self.arbiter.backend,
                    [handle.identity, envelope, request.header_frame, *request.payload])
         request.worker = handle

@@ -15,6 +15,7 @@ gets a chance to pin the process and set the thread variables.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import multiprocessing
 import os
@@ -110,6 +111,7 @@ def _boot_and_serve(spec: WorkerSpec, channel) -> int:
                   cores=sorted(os.sched_getaffinity(0)), device=str(device),
                   probe_baseline_us=baseline_us)
     logger.info("READY on %s with %d thread(s)", spec.placement, torch.get_num_threads())
+    gc.freeze()  # the model and torch's own objects live forever: don't rescan them every pass
     parent = multiprocessing.parent_process()
     server = WorkerServer(spec, model, device, channel, parent.sentinel if parent else None,
                           probe_args)

@@ -26,7 +26,6 @@ internal, so it carries no signature frame: one frame fewer per message on the h
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -82,6 +81,12 @@ class WorkerServer:
     # -- the loop ---------------------------------------------------------------------------
 
     def serve(self) -> int:
+        # The whole loop runs in inference mode: no autograd bookkeeping for anything built here,
+        # and no context manager to enter per request.
+        with torch.inference_mode():
+            return self._loop()
+
+    def _loop(self) -> int:
         poller = zmq.Poller()
         poller.register(self.channel.socket, zmq.POLLIN)
         if self.parent_sentinel is not None:
@@ -134,11 +139,11 @@ class WorkerServer:
         reply_frames: list = []
         try:
             if envelope.get("probe"):
-                args, kwargs, tree, sources, out = self.probe_args, {}, None, [], None
+                args, kwargs, sources, out = self.probe_args, {}, [], None
             else:
-                args, kwargs, tree, sources, out = self._decode(frames)
+                args, kwargs, sources, out = self._decode(frames)
             started = time.perf_counter_ns()
-            outputs = self._forward(args, kwargs, tree)
+            outputs = self._forward(args, kwargs)
             compute_us = (time.perf_counter_ns() - started) // 1000
             reply, reply_frames = self._encode(outputs, out, sources)
             reply.update(type="result", rid=rid, ok=True, compute_us=compute_us)
@@ -179,16 +184,16 @@ class WorkerServer:
             out = (segment, offset, view)
         value = unflatten(request.tree, tensors)
         if isinstance(request.tree, dict) and "dict" in request.tree:
-            return (), value, request.tree, sources, out
+            return (), value, sources, out
         if isinstance(request.tree, int):
-            return (value,), {}, request.tree, sources, out
-        return tuple(value), {}, request.tree, sources, out
+            return (value,), {}, sources, out
+        return tuple(value), {}, sources, out
 
-    def _forward(self, args: tuple, kwargs: dict, tree: Any) -> Any:
-        stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        with torch.inference_mode(), stream:
-            outputs = self.model(*args, **kwargs)
-        return outputs
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        if self.stream is None:
+            return self.model(*args, **kwargs)
+        with torch.cuda.stream(self.stream):
+            return self.model(*args, **kwargs)
 
     def _encode(self, outputs: Any, out, sources: list[Segment]) -> tuple[dict, list]:
         leaves: list = []
