@@ -37,6 +37,7 @@ import concurrent.futures
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ from shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWo
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
                            UnknownModel, WorkerDied, error_from_reply)
 from shared.protocol import SIGNATURE
-from shared.session import Pending, Reply, Session
+from shared.session import Reply, Session
 from shared.sockets import recv_parts, send_parts
 
 GRACE_S = 1.0  # how much longer than the request timeout the client waits for the daemon
@@ -102,7 +103,16 @@ class _Connection:
         return _parse_reply(recv_parts(self.socket))
 
     def close(self) -> None:
-        self.socket.close(0)
+        if not self.socket.closed:
+            self.socket.close(0)
+
+    def __del__(self) -> None:
+        # The thread that owned this connection has ended (its threading.local is gone): its
+        # socket would otherwise stay open until the client closes.
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to clean
+            pass
 
 
 def _parse_reply(frames: list) -> tuple[dict, list]:
@@ -132,7 +142,8 @@ class Client:
         self._session = Session(self.endpoint, shm, copy_outputs)
         self._context = zmq.Context()
         self._local = threading.local()
-        self._connections: list[_Connection] = []
+        # Weak: a connection dies with the thread that owned it (see _Connection.__del__).
+        self._connections: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._lock = threading.Lock()
         self._io: _IOThread | None = None
         self._closed = False
@@ -151,7 +162,7 @@ class Client:
             connection = _Connection(self._context, self.endpoint)
             self._local.connection = connection
             with self._lock:
-                self._connections.append(connection)
+                self._connections.add(connection)
         return connection
 
     def hello(self) -> dict:
@@ -209,7 +220,7 @@ class Client:
             if self._io is None:
                 self._io = _IOThread(self._context, self.endpoint, self._session)
                 self._io.start()
-        return self._io.submit(model, inputs, timeout, details)
+            return self._io.submit(model, inputs, timeout, details)
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """An uninitialised tensor living in shared memory: fill it in place and send it with no
@@ -223,7 +234,7 @@ class Client:
                 return
             self._closed = True
             io, self._io = self._io, None
-            connections, self._connections = self._connections, []
+            connections = list(self._connections)
         if io is not None:
             io.stop()
         for connection in connections:
@@ -245,7 +256,8 @@ class _IOThread(threading.Thread):
         self.endpoint = endpoint
         self.session = session
         self.inbox: collections.deque = collections.deque()
-        self.waiting: dict[int, tuple[Pending, concurrent.futures.Future, float, tuple]] = {}
+        # request id -> (pending, future, deadline, request to resend once or None, timeout)
+        self.waiting: dict[int, tuple] = {}
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         self._stopping = False
@@ -276,9 +288,13 @@ class _IOThread(threading.Thread):
                     self._take_reply(connection)
                 self._expire()
         finally:
-            for pending, future, _, _ in self.waiting.values():
+            for pending, future, _, _, _ in self.waiting.values():
                 self.session.discard(pending)
                 future.set_exception(RuntimeError("the client was closed"))
+            while self.inbox:  # submitted but never sent: they must not wait forever either
+                future = self.inbox.popleft()[-1]
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(RuntimeError("the client was closed"))
             connection.close()
             os.close(self._wake_read)
             os.close(self._wake_write)
@@ -309,15 +325,18 @@ class _IOThread(threading.Thread):
             future.set_exception(exc)
             return
         self.waiting[pending.id] = (pending, future, _now() + timeout + GRACE_S,
-                                    request if first else None)
+                                    request if first else None, timeout + GRACE_S)
 
     def _take_reply(self, connection: _Connection) -> None:
         # One message per readiness: the poll is level-triggered, the next pass takes the rest.
-        header, payload = _parse_reply(recv_parts(connection.socket))
+        try:
+            header, payload = _parse_reply(recv_parts(connection.socket))
+        except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
+            return
         entry = self.waiting.pop(header.get("id"), None)
         if entry is None:
             return  # a registration's answer, or a reply we stopped waiting for
-        pending, future, _, request = entry
+        pending, future, _, request, _ = entry
         if request is not None and self.session.forgotten(header, pending, connection.registered):
             self._send(connection, request, future, first=False)
             return
@@ -328,11 +347,11 @@ class _IOThread(threading.Thread):
 
     def _expire(self) -> None:
         now = _now()
-        for request_id, (pending, future, deadline, _) in list(self.waiting.items()):
+        for request_id, (pending, future, deadline, _, waited) in list(self.waiting.items()):
             if now >= deadline:
                 del self.waiting[request_id]
                 self.session.discard(pending)
-                future.set_exception(_deadline_error(self.endpoint, deadline - now))
+                future.set_exception(_deadline_error(self.endpoint, waited))
 
 
 # -- asyncio ------------------------------------------------------------------------------------
@@ -412,7 +431,7 @@ class AsyncClient:
             frames = await self._socket.recv_multipart(copy=False)
             try:
                 header, payload = _parse_reply(frames)
-            except RemoteError:
+            except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
                 continue
             future = self._waiting.get(header.get("id"))
             if future is not None and not future.done():

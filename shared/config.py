@@ -164,7 +164,8 @@ class ModelConfig(_Strict):
             if any(not cores for cores in self.cores):
                 raise ValueError("every core set in 'cores' needs at least one core")
         if self.warmup > 0 and not self.inputs and self.probe.input is None:
-            raise ValueError("warm-up needs an example input: declare 'inputs' (or set warmup = 0)")
+            raise ValueError("warm-up needs an example input: declare 'inputs' or 'probe.input' "
+                             "(or set warmup = 0)")
         return self
 
     def device_of(self, index: int) -> str:
@@ -268,10 +269,6 @@ def default_runtime_dir() -> Path:
 
 class _FileWithEnvOverrides(PydanticBaseSettingsSource):
     """TOML file first, then MODELWARDEN_* variables merged in key by key."""
-
-    def __init__(self, settings_cls, path: Path | None = None) -> None:
-        super().__init__(settings_cls)
-        self.path = path
 
     def get_field_value(self, field, field_name):  # required by the base class; unused
         return None, field_name, False

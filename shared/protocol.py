@@ -90,7 +90,6 @@ exactly one reply. Error codes are ERROR_CODES below.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -468,9 +467,3 @@ def frame_lengths_match(tensors: list[TensorDesc], payload: list) -> None:
                 f"frame {desc.frame} holds {len(payload[desc.frame])} bytes but "
                 f"{desc.dtype}{list(desc.shape)} needs {desc.nbytes}"
             )
-
-
-def finite_float(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad(f"{what} must be a finite number")
-    return float(value)

@@ -43,7 +43,6 @@ class Pending:
     keep: list  # input tensors: their memory may be read in place until the reply
     regions: list[Region] = field(default_factory=list)  # leases this request holds
     segments: list = field(default_factory=list)  # every segment it references
-    deadline: float = 0.0
 
 
 class Session:

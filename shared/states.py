@@ -45,7 +45,6 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     S.STOPPED: frozenset({S.STARTING}),
 }
 
-SERVING = frozenset({S.READY})
 ALIVE = frozenset({S.STARTING, S.LOADING, S.WARMING, S.READY, S.DRAINING})
 BOOTING = frozenset({S.STARTING, S.LOADING, S.WARMING})
 

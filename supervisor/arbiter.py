@@ -38,7 +38,7 @@ from supervisor.placement import SlotPlacement, plan
 from supervisor.pool import ModelPool
 from supervisor.probes import ProbeJudge, load_golden
 from supervisor.router import Router
-from supervisor.runtime import DaemonError, claim_runtime_dir
+from supervisor.runtime import DaemonError, claim_runtime_dir, share_with_group
 from supervisor.segments import SegmentRegistry
 from supervisor.systemd import Notifier
 from supervisor.timers import Timers
@@ -122,6 +122,9 @@ class Arbiter:
                 if handler is not None:
                     self._guarded(handler)
             self.timers.run_due(self.clock())
+        # No worker is left to serve what is still queued (every slot was restarting, or the
+        # last one died while draining): answer it rather than leave it without a reply.
+        self.router.fail_everything(SHUTTING_DOWN, "the daemon stopped before a worker could serve it")
 
     @staticmethod
     def _guarded(handler) -> None:
@@ -164,6 +167,9 @@ class Arbiter:
         except zmq.ZMQError as exc:
             sock.close(0)
             raise DaemonError(f"cannot bind {endpoint}: {exc}") from None
+        group = self.settings.daemon.shm_group
+        if group and endpoint.startswith("ipc://"):
+            share_with_group(Path(endpoint[len("ipc://"):]), group)
         return sock
 
     def _on(self, item, handler) -> None:
@@ -212,7 +218,7 @@ class Arbiter:
         for signum in data:
             if signum in STOP_SIGNALS:
                 self.request_stop(signal.Signals(signum).name)
-            elif signum == signal.SIGHUP:
+            elif signum == signal.SIGHUP and not self.stopping:
                 logger.info("SIGHUP: rolling restart of every model")
                 self.restart(None)
 
@@ -282,7 +288,8 @@ class Arbiter:
             envelope = protocol.split_router_message(frames)
             header = protocol.unpack_header(envelope.header.buffer)
             request_id = protocol.request_id_of(header)
-            command = COMMANDS.get(header.get("type"))
+            kind = header.get("type")
+            command = COMMANDS.get(kind) if isinstance(kind, str) else None
             if command is None:
                 raise ProtocolError(BAD_REQUEST, f"unknown command; known: {', '.join(COMMANDS)}")
             reply = command.execute(self, header)
@@ -329,6 +336,8 @@ class Arbiter:
         """A worker exited. Reap every worker that is dead by now before recovering anyone's
         requests, so a retry never goes to a worker that died at the same moment (killing both
         workers at once must not turn a good request into POISON)."""
+        if handle.exitcode is not None or not multiprocessing.connection.wait([handle.sentinel], 0):
+            return  # a stale event: this fd was reaped earlier in the pass and reused since
         dead = [handle] + [other for other in self._dead_now() if other is not handle]
         for gone in dead:
             self._reap(gone)
@@ -360,16 +369,16 @@ class Arbiter:
 
     def _tick(self) -> None:
         now = self.clock()
+        self.timers.call_at(now + TICK, self._tick)  # first: a failure below must not stop ticks
         for pool in self.pools.values():
             pool.tick(now)
             self.router.send_due_probes(pool, pool.ready())
             self.router.dispatch(pool)
         if self.stopping:
             self._shutdown_step(now)
-        self.timers.call_at(now + TICK, self._tick)
 
     def _sweep(self) -> None:
-        gone = shm.sweep_orphans() + self.registry.dead_registrations()
+        gone = sorted(set(shm.sweep_orphans()) | set(self.registry.dead_registrations()))
         if gone:
             self.registry.forget(gone)
             self._unmap(gone)

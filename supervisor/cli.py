@@ -64,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(named inputs)")
     infer.add_argument("--output", "-o", metavar="FILE",
                        help="write outputs to .npy (one tensor) or .npz (several)")
-    infer.add_argument("--endpoint", help="frontend endpoint (default: MODELWARDEN_ENDPOINT, "
-                                          "the config's first frontend, or the local daemon)")
+    infer.add_argument("--endpoint", help="frontend endpoint (default: with --config, its first "
+                                          "frontend; else MODELWARDEN_ENDPOINT, "
+                                          "$MODELWARDEN_CONFIG's first ipc frontend, or the "
+                                          "local daemon)")
     infer.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
     infer.set_defaults(func=cmd_infer)
     return parser
@@ -133,8 +135,6 @@ def _run_daemon(settings, plan) -> int:
         setproctitle.setproctitle("modelwarden: supervisor")
     except ImportError:
         pass
-    for entry in settings.daemon.python_path:
-        sys.path.insert(0, str(settings.resolve(entry)))
     try:
         return Arbiter(settings, plan).run()
     except DaemonError as exc:
@@ -196,15 +196,18 @@ def _read_inputs(paths: list[str]):
     return arrays[0] if len(arrays) == 1 else arrays
 
 
-def _leaves(value, prefix: str = "output") -> dict:
+def _leaves(value, path: str = "") -> dict:
+    """Every output tensor under a unique name, its path in the output structure ("0", "a.x")."""
     if isinstance(value, dict):
-        return {f"{key}": leaf for key, item in value.items() for key, leaf in _leaves(item, key).items()}
-    if isinstance(value, (list, tuple)):
-        out = {}
-        for index, item in enumerate(value):
-            out.update(_leaves(item, f"{prefix}_{index}"))
-        return out
-    return {prefix: value}
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return {path or "output": value}
+    out = {}
+    for key, item in items:
+        out.update(_leaves(item, f"{path}.{key}" if path else str(key)))
+    return out
 
 
 def _write_outputs(path: str, outputs: dict) -> None:

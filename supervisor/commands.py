@@ -110,10 +110,12 @@ def _slot_rows(pool, slot, now: float) -> list[dict]:
 
 
 def _empty_row(slot, now: float) -> dict:
-    return {"state": slot.state.value, "pid": None, "generation": slot.generation, "uptime_s": None,
-            "requests": 0, "errors": 0, "rss_bytes": None, "latency_p50_us": None,
-            "backoff_s": round(slot.backoff_until - now, 3) if slot.backoff_until else None,
-            "probe": None}
+    """A slot with no process (BACKOFF, FATAL, STOPPED): the same keys as a live worker's row."""
+    return {"state": slot.state.value, "pid": None, "generation": slot.generation,
+            "interop_threads": None, "uptime_s": None, "ready_s": None, "requests": 0, "errors": 0,
+            "inflight": 0, "rss_bytes": None, "rss_trend_bytes_per_s": None, "cuda_bytes": None,
+            "latency_p50_us": None, "retiring": None, "probe": None,
+            "backoff_s": round(slot.backoff_until - now, 3) if slot.backoff_until else None}
 
 
 def _handle_row(handle, now: float) -> dict:
@@ -131,7 +133,7 @@ def _handle_row(handle, now: float) -> dict:
         "rss_bytes": read_rss(handle.pid) if handle.alive else None,
         "rss_trend_bytes_per_s": handle.rss_trend(),
         "cuda_bytes": handle.cuda_bytes, "latency_p50_us": handle.latency_p50_us(),
-        "retiring": handle.retiring, "error": handle.failure,
+        "retiring": handle.retiring, "error": handle.failure, "backoff_s": None,
         "probe": {"last_at": probe.last_at, "ok": probe.last_ok, "reason": probe.last_reason,
                   "consecutive_failures": probe.consecutive_failures, "drift": probe.drift,
                   "latency_us": probe.latency_us, "baseline_us": probe.baseline_us},

@@ -61,10 +61,6 @@ class Slot:
                    new.value, f" ({reason})" if reason else "")
         self.state = new
 
-    @property
-    def display_state(self) -> WorkerState:
-        return self.current.state if self.current is not None else self.state
-
     def handles(self) -> list[WorkerHandle]:
         return [handle for handle in (self.current, self.previous) if handle is not None]
 
@@ -125,7 +121,14 @@ class ModelPool:
         slot.backoff_timer = slot.backoff_until = None
         slot.generation += 1
         spec = self.host.worker_spec(self.config, slot.index, slot.generation, slot.placement)
-        handle = self.host.launch(spec, self._on_state)
+        try:
+            handle = self.host.launch(spec, self._on_state)
+        except OSError as exc:  # no process at all (EAGAIN, ENOMEM, EMFILE): a failed start
+            logger.critical("%s#%d: cannot spawn a worker: %s", self.name, slot.index, exc)
+            slot.set_state(S.STARTING, self.name, "spawning")
+            slot.set_state(S.DEAD, self.name, f"spawn failed: {exc}")
+            self._after_exit(slot, True, f"spawn failed: {exc}")
+            return None
         slot.current = handle
         slot.set_state(S.STARTING, self.name, f"pid {handle.pid}, generation {slot.generation}")
         if self.config.max_requests:
@@ -189,7 +192,7 @@ class ModelPool:
             self.host.clock() + self.config.kill_grace, handle.signal, signal.SIGKILL)
 
     def terminate_later(self, handle: WorkerHandle) -> None:
-        """After a stop message: kill only if it has not left within the drain grace."""
+        """After a stop message: kill it if it has not left within ``kill_grace``."""
         self.host.timers.cancel(handle.kill_timer)
         handle.kill_timer = self.host.timers.call_at(
             self.host.clock() + self.config.kill_grace, self._overdue, handle)
@@ -234,6 +237,11 @@ class ModelPool:
         now = self.host.clock()
         failed_start = (handle.ready_at is None or now - handle.started_at < self.config.start_seconds
                         or handle.exitcode in STARTUP_FAILURES)
+        self._after_exit(slot, failed_start, cause)
+
+    def _after_exit(self, slot: Slot, failed_start: bool, cause: str) -> None:
+        """Restart now, back off, or give up (FATAL), by the count of failed starts in a row."""
+        now = self.host.clock()
         slot.start_failures = slot.start_failures + 1 if failed_start else 0
         slot.restarts += 1
         slot.causes.append((time.time(), cause))

@@ -1,6 +1,6 @@
 """The sentinel's judgement: is this worker's answer to the known input still the known output?
 
-Checks, in order: count, shape and dtype of the outputs; NaN/Inf; the optional value range;
+Checks, in order: NaN/Inf; the optional value range; count, shape and dtype of the outputs;
 ``|out - golden| <= atol + rtol * |golden|`` everywhere; and latency within ``latency_factor``
 times the worker's own healthy baseline (and at least ``latency_slack_ms`` above it, so a busy
 2-core box does not flap). The golden output is a file, or the first healthy answer after

@@ -37,7 +37,6 @@ class ProbeRequest:
 
     rid: int
     worker: Any
-    sent_at: float
 
 
 def after_worker_death(request: Request, retries: int) -> str | None:

@@ -41,9 +41,8 @@ _RUN_PREFIX = b"\x82" + protocol.pack("type") + protocol.pack("run") + protocol.
 class Router:
     def __init__(self, arbiter: "Arbiter") -> None:
         self.arbiter = arbiter
-        self.pending: dict[int, Request | ProbeRequest] = {}
+        self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
         self._rids = itertools.count(1)
-        self.answered = 0
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -118,7 +117,7 @@ class Router:
         handle.last_dispatch = now
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
-        probe = ProbeRequest(next(self._rids), handle, now)
+        probe = ProbeRequest(next(self._rids), handle)
         send_parts(self.arbiter.backend,
                    [handle.identity, protocol.pack({"type": "run", "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
@@ -193,9 +192,8 @@ class Router:
             parts.extend(frames)
         try:
             send_parts(request.socket, parts)
-        except zmq.ZMQError as exc:  # the client's queue is full or it went away
+        except zmq.ZMQError as exc:  # a closing socket at shutdown; a ROUTER drops the rest silently
             logger.warning("could not answer request %s: %s", request.client_id, exc)
-        self.answered += 1
 
     def fail(self, request: Request, code: str, message: str) -> None:
         self.finish(request, protocol.error_header(request.client_id, code, message))
@@ -256,8 +254,7 @@ class Router:
 
     def fail_everything(self, code: str, message: str) -> None:
         for request in list(self.pending.values()):
-            if isinstance(request, Request):
-                self.fail(request, code, message)
+            self.fail(request, code, message)
         for pool in self.arbiter.pools.values():
             pool.queue.clear()
 

@@ -40,3 +40,12 @@ def claim_runtime_dir(runtime: Path, group: str | None) -> IO:
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     return lock
+
+
+def share_with_group(path: Path, group: str) -> None:
+    """An ipc socket file members of ``group`` may connect to: group-owned, mode 0660."""
+    try:
+        os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        os.chmod(path, 0o660)
+    except (OSError, KeyError) as exc:
+        raise DaemonError(f"cannot give {path} to group {group}: {exc}") from None

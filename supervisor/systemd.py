@@ -25,10 +25,6 @@ class Notifier:
         own = watchdog_pid is None or watchdog_pid == str(os.getpid())
         self.watchdog_interval = int(usec) / 2e6 if usec and usec.isdigit() and own else None
 
-    @property
-    def enabled(self) -> bool:
-        return self._address is not None
-
     def notify(self, message: str) -> None:
         if self._address is None:
             return

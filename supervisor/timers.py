@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
 
 
 class Timer:
@@ -59,7 +62,10 @@ class Timers:
                 self._cancelled -= 1
                 continue
             timer.cancelled = True  # fired: a later cancel() is a no-op and is not counted
-            timer.callback(*timer.args)
+            try:
+                timer.callback(*timer.args)
+            except Exception:  # one failing timer must not stop the others, nor the loop
+                logger.exception("timer %s failed", getattr(timer.callback, "__name__", "?"))
             fired += 1
         return fired
 

@@ -61,7 +61,7 @@ def render_config(daemon: dict, models: list[dict]) -> str:
         lines += ["", "[[models]]"]
         lines += [f"{key} = {toml_value(value)}" for key, value in model.items() if key != "probe"]
         if probe:
-            lines += [f"[models.probe]"] + [f"{key} = {toml_value(value)}" for key, value in probe.items()]
+            lines += ["[models.probe]"] + [f"{key} = {toml_value(value)}" for key, value in probe.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -41,3 +41,20 @@ def test_load_failure_backs_off_then_fatal_while_others_serve():
                 raise AssertionError("a FATAL model must answer NO_WORKER")
             except NoWorker:
                 pass
+
+
+def test_warm_up_uses_the_probe_input_when_no_inputs_are_declared(tmp_path):
+    import numpy as np
+
+    from shared.states import EXIT_WARMUP_ERROR
+    from tests.faulty import MARKER
+
+    np.save(tmp_path / "probe.npy", np.full((1, 8), MARKER, dtype=np.float32))
+    model = faulty_model("warms", "raise", backoff_initial=0.05, max_start_failures=1,
+                         probe={"input": str(tmp_path / "probe.npy")})
+    del model["inputs"]
+    with Daemon([model]) as daemon:
+        worker = poll_until(lambda: next((w for w in daemon.workers() if w["state"] == "FATAL"), None),
+                            60, message="the warm-up failure")
+        assert worker["last_exit"] == EXIT_NAMES[EXIT_WARMUP_ERROR]
+        assert "marker" in worker["error"]

@@ -317,3 +317,29 @@ def test_a_client_without_a_daemon_says_so(tmp_path):
     with Client(f"ipc://{tmp_path}/nothing.sock", timeout=0.5) as client:
         with pytest.raises(Timeout, match="socket file does not exist"):
             client.infer("mlp", torch.randn(1, 64))
+
+
+def test_a_threads_socket_goes_with_the_thread(daemon):
+    import gc
+
+    with Client(daemon.endpoint) as client:
+        def use():
+            client.infer("mlp", torch.randn(1, 64))
+
+        for _ in range(5):
+            thread = threading.Thread(target=use)
+            thread.start()
+            thread.join()
+        gc.collect()
+        assert len(client._connections) == 0  # five threads came and went: no socket left
+
+
+def test_submit_then_close_resolves_every_future(daemon):
+    client = Client(daemon.endpoint)
+    futures = [client.submit("mlp", torch.randn(2, 64)) for _ in range(50)]
+    client.close()
+    for future in futures:  # each is either done or failed: none hangs
+        try:
+            future.result(timeout=10)
+        except RuntimeError as exc:
+            assert "closed" in str(exc)

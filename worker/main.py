@@ -90,8 +90,9 @@ def _boot_and_serve(spec: WorkerSpec, channel) -> int:
 
     try:
         device = configure_torch(spec)
-    except PlacementError as exc:
-        _fail(channel, "boot", str(exc), EXIT_BOOT_ERROR)
+    except Exception as exc:  # an absent device, a CUDA error: the worker cannot be placed
+        _fail(channel, "boot", f"{type(exc).__name__}: {exc}" if not isinstance(exc, PlacementError)
+              else str(exc), EXIT_BOOT_ERROR)
     channel.state(WorkerState.LOADING.value, pid=os.getpid(), device=str(device),
                   cores=sorted(os.sched_getaffinity(0)), threads=torch.get_num_threads(),
                   interop_threads=torch.get_num_interop_threads())
@@ -101,7 +102,7 @@ def _boot_and_serve(spec: WorkerSpec, channel) -> int:
         _fail(channel, "load", str(exc), EXIT_LOAD_ERROR)
     channel.state(WorkerState.WARMING.value)
     try:
-        _warm_up(spec, model, device, example_inputs)
+        _warm_up(spec, model, device, example_inputs, probe_inputs)
         probe_args = probe_inputs(spec, device) if _probes_on(spec) else ()
         baseline_us = _baseline(spec, model, probe_args) if probe_args else None
     except Exception as exc:
@@ -122,13 +123,16 @@ def _probes_on(spec: WorkerSpec) -> bool:
     return spec.model.probe.interval > 0 and bool(spec.model.inputs or spec.model.probe.input)
 
 
-def _warm_up(spec: WorkerSpec, model, device, example_inputs) -> None:
+def _warm_up(spec: WorkerSpec, model, device, example_inputs, probe_inputs) -> None:
     """Run every operator once before traffic: thread pools, allocator caches, cuDNN choices."""
     import torch
 
-    if not spec.model.inputs or not spec.model.warmup:
+    if not spec.model.warmup:
         return
-    inputs = [example_inputs(spec, seed, device) for seed in range(min(spec.model.warmup, 4))]
+    if spec.model.inputs:
+        inputs = [example_inputs(spec, seed, device) for seed in range(min(spec.model.warmup, 4))]
+    else:  # no declared inputs: the probe's input file is the example (the config demands one)
+        inputs = [probe_inputs(spec, device)]
     with torch.inference_mode():
         for iteration in range(spec.model.warmup):
             model(*inputs[iteration % len(inputs)])

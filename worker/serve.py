@@ -18,7 +18,7 @@ internal, so it carries no signature frame: one frame fewer per message on the h
           info: LOADING: pid, device, cores, threads, interop_threads
                 READY: device, cores, threads, interop_threads, probe_baseline_us
     [{"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
-    [{"type": "heartbeat", "served": N, "cuda_bytes": N}]    cuda_bytes on GPU workers only
+    [{"type": "heartbeat", "cuda_bytes": N}]                cuda_bytes on GPU workers only
     [{"type": "result", "rid": N, "ok": true, "outputs": TREE, "tensors": [...],
       "compute_us": N}, payload...]
     [{"type": "result", "rid": N, "ok": false, "error": {"code": C, "message": M}}]
@@ -26,6 +26,7 @@ internal, so it carries no signature frame: one frame fewer per message on the h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any, Callable
@@ -127,7 +128,7 @@ class WorkerServer:
         return None
 
     def _heartbeat(self) -> None:
-        beat: dict[str, Any] = {"type": "heartbeat", "served": self.served}
+        beat: dict[str, Any] = {"type": "heartbeat"}
         if self.device.type == "cuda":
             beat["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
         self.channel.send(beat)
@@ -138,15 +139,11 @@ class WorkerServer:
         rid = envelope.get("rid")
         reply_frames: list = []
         try:
-            if envelope.get("probe"):
-                args, kwargs, sources, out = self.probe_args, {}, [], None
-            else:
-                args, kwargs, sources, out = self._decode(frames)
-            started = time.perf_counter_ns()
-            outputs = self._forward(args, kwargs)
-            compute_us = (time.perf_counter_ns() - started) // 1000
-            reply, reply_frames = self._encode(outputs, out, sources)
-            reply.update(type="result", rid=rid, ok=True, compute_us=compute_us)
+            # On a GPU everything -- the copies in, forward, the copies out -- is queued on this
+            # worker's own stream, so nothing races with work on the default stream.
+            with self._on_stream():
+                reply, reply_frames = self._compute(envelope, frames)
+            reply.update(type="result", rid=rid, ok=True)
         except ProtocolError as exc:
             reply = _failure(rid, exc.code, exc.message)
         except (torch.OutOfMemoryError, MemoryError) as exc:
@@ -189,11 +186,22 @@ class WorkerServer:
             return (value,), {}, sources, out
         return tuple(value), {}, sources, out
 
-    def _forward(self, args: tuple, kwargs: dict) -> Any:
-        if self.stream is None:
-            return self.model(*args, **kwargs)
-        with torch.cuda.stream(self.stream):
-            return self.model(*args, **kwargs)
+    def _on_stream(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _compute(self, envelope: dict, frames: list) -> tuple[dict, list]:
+        if envelope.get("probe"):
+            args, kwargs, sources, out = self.probe_args, {}, [], None
+        else:
+            args, kwargs, sources, out = self._decode(frames)
+        started = time.perf_counter_ns()
+        outputs = self.model(*args, **kwargs)
+        if self.stream is not None:
+            self.stream.synchronize()  # compute time is the GPU's time, not the launch's
+        compute_us = (time.perf_counter_ns() - started) // 1000
+        reply, reply_frames = self._encode(outputs, out, sources)
+        reply["compute_us"] = compute_us
+        return reply, reply_frames
 
     def _encode(self, outputs: Any, out, sources: list[Segment]) -> tuple[dict, list]:
         leaves: list = []
