@@ -162,6 +162,12 @@ def test_a_leaking_worker_is_recycled_past_max_rss():
         daemon.wait_ready()
         rss = daemon.workers()[0]["rss_bytes"]
         model["max_rss"] = rss + 200 * 2**20
+        with Client(daemon.endpoint) as client:
+            def leaking_visibly():  # a request per poll: the status shows the leak's slope
+                client.infer("leaky", torch.randn(2, 8))
+                trend = daemon.workers()[0]["rss_trend_bytes_per_s"]
+                return trend is not None and trend > 1e6
+            poll_until(leaking_visibly, 30, interval=0.2, message="a positive RSS trend")
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         first = daemon.workers()[0]["pid"]

@@ -58,3 +58,21 @@ def test_warm_up_uses_the_probe_input_when_no_inputs_are_declared(tmp_path):
                             60, message="the warm-up failure")
         assert worker["last_exit"] == EXIT_NAMES[EXIT_WARMUP_ERROR]
         assert "marker" in worker["error"]
+
+
+def test_stopping_answers_requests_no_worker_could_serve():
+    from shared.client import ShuttingDown
+
+    broken = faulty_model("later", "load_error", backoff_initial=60.0, max_start_failures=10)
+    with Daemon([broken]) as daemon:
+        poll_until(lambda: daemon.workers()[0]["state"] == "BACKOFF", 60, message="BACKOFF")
+        with Client(daemon.endpoint, timeout=120) as client:
+            future = client.submit("later", torch.randn(2, 8))  # waits: the slot may come back
+            poll_until(lambda: daemon.status()["models"][0]["queued"] == 1, 10, message="queued")
+            daemon.process.terminate()
+            try:
+                future.result(timeout=60)
+                raise AssertionError("nothing could serve it")
+            except ShuttingDown:
+                pass
+        assert daemon.process.wait(30) == 0
