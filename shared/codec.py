@@ -76,8 +76,7 @@ def flatten(value: Any, leaves: list, depth: int = 0) -> Any:
             if not isinstance(key, str):
                 raise TypeError(f"dict keys must be str, got {type(key).__name__}")
         return {"dict": {key: flatten(item, leaves, depth + 1) for key, item in value.items()}}
-    raise TypeError(f"cannot send a {type(value).__name__}: values are tensors, numpy arrays, "
-                    "or lists/tuples/dicts of them")
+    return _unsupported(value)
 
 
 def unflatten(tree: Any, leaves: list) -> Any:

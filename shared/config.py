@@ -168,6 +168,11 @@ class ModelConfig(_Strict):
                              "(or set warmup = 0)")
         return self
 
+    @property
+    def probes_enabled(self) -> bool:
+        """Probes run when they have an interval and an input (declared inputs or a file)."""
+        return self.probe.interval > 0 and bool(self.inputs or self.probe.input)
+
     def device_of(self, index: int) -> str:
         return self.device[index] if isinstance(self.device, list) else self.device
 

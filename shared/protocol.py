@@ -224,13 +224,13 @@ def split_router_message(frames: list) -> Envelope:
 
     On error the caller still replies to ``frames[0]`` (and the delimiter, if any).
     """
-    route_len = 2 if len(frames) > 1 and len(frames[1]) == 0 else 1
-    body = frames[route_len:]
+    route = reply_route(frames)
+    body = frames[len(route):]
     if len(body) < 2:
         raise bad("expected signature and header frames")
     if bytes(body[0]) != SIGNATURE:
         raise bad("bad signature frame: expected b'MWP1'")
-    return Envelope(frames[:route_len], body[1], body[2:])
+    return Envelope(route, body[1], body[2:])
 
 
 def reply_route(frames: list) -> list:

@@ -176,7 +176,7 @@ def cmd_infer(args) -> int:
         return _fail(str(exc), EXIT_RUNTIME)
     outputs = _leaves(reply.outputs)
     for name, value in outputs.items():
-        array = np.asarray(value if isinstance(value, np.ndarray) else value.float().numpy())
+        array = _as_array(value)
         print(f"{name}: {value.dtype} {list(value.shape)} {np.array2string(array.ravel()[:8], precision=4)}"
               f"{' ...' if array.size > 8 else ''}")
     print(f"worker {reply.worker}  total {reply.timing.get('total_us')}us "
@@ -210,11 +210,19 @@ def _leaves(value, path: str = "") -> dict:
     return out
 
 
+def _as_array(value):
+    """numpy for printing and saving; bfloat16 (which numpy lacks) widened to float32."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value
+    return value.float().numpy() if str(value.dtype) == "torch.bfloat16" else value.numpy()
+
+
 def _write_outputs(path: str, outputs: dict) -> None:
     import numpy as np
 
-    arrays = {name: value if isinstance(value, np.ndarray) else value.float().numpy()
-              if str(value.dtype) == "torch.bfloat16" else value.numpy() for name, value in outputs.items()}
+    arrays = {name: _as_array(value) for name, value in outputs.items()}
     if path.endswith(".npz"):
         np.savez(path, **arrays)
     elif len(arrays) == 1:

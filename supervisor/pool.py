@@ -335,8 +335,8 @@ class ModelPool:
         self.stop_if_idle(handle)
 
     def probe_due(self, handle: WorkerHandle, now: float) -> bool:
-        return (self.config.probe.interval > 0 and handle.probe.inflight_since is None
-                and now >= handle.probe.due_at and bool(self.config.inputs or self.config.probe.input))
+        return (self.config.probes_enabled and handle.probe.inflight_since is None
+                and now >= handle.probe.due_at)
 
     def record_probe(self, handle: WorkerHandle, verdict: Verdict) -> None:
         probe = handle.probe

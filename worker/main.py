@@ -103,7 +103,7 @@ def _boot_and_serve(spec: WorkerSpec, channel) -> int:
     channel.state(WorkerState.WARMING.value)
     try:
         _warm_up(spec, model, device, example_inputs, probe_inputs)
-        probe_args = probe_inputs(spec, device) if _probes_on(spec) else ()
+        probe_args = probe_inputs(spec, device) if spec.model.probes_enabled else ()
         baseline_us = _baseline(spec, model, probe_args) if probe_args else None
     except Exception as exc:
         _fail(channel, "warmup", f"{type(exc).__name__}: {exc}", EXIT_WARMUP_ERROR)
@@ -117,10 +117,6 @@ def _boot_and_serve(spec: WorkerSpec, channel) -> int:
     server = WorkerServer(spec, model, device, channel, parent.sentinel if parent else None,
                           probe_args)
     return server.serve()
-
-
-def _probes_on(spec: WorkerSpec) -> bool:
-    return spec.model.probe.interval > 0 and bool(spec.model.inputs or spec.model.probe.input)
 
 
 def _warm_up(spec: WorkerSpec, model, device, example_inputs, probe_inputs) -> None:
