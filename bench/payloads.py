@@ -96,7 +96,7 @@ def _proxy(frontend: str, backend: str) -> None:
 
 
 def _python_broker(frontend: str, backend: str) -> None:
-    from shared.sockets import recv_parts, send_parts
+    from modelwarden.shared.sockets import recv_parts, send_parts
 
     context = zmq.Context()
     front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
@@ -236,9 +236,9 @@ interval = 0.0
 def start_daemon(workdir: Path) -> subprocess.Popen:
     config = workdir / "bench.toml"
     config.write_text(CONFIG.format(runtime=workdir / "run"))
-    daemon = subprocess.Popen([sys.executable, "-m", "supervisor", "serve", "--config", str(config)],
+    daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
                               cwd=ROOT)
-    from shared.client import Client
+    from modelwarden.shared.client import Client
 
     with Client(f"ipc://{workdir}/run/frontend.sock", timeout=2) as client:
         deadline = time.monotonic() + 120
@@ -252,7 +252,7 @@ def start_daemon(workdir: Path) -> subprocess.Popen:
 
 
 def bench_modelwarden(workdir: Path, sizes, iterations) -> dict:
-    from shared.client import Client
+    from modelwarden.shared.client import Client
 
     daemon = start_daemon(workdir)
     endpoint = f"ipc://{workdir}/run/frontend.sock"
@@ -283,7 +283,7 @@ def cpu_seconds(pid: int) -> float:
 
 def cpu_per_request(supervisor: int, workdir: Path, client, count: int = 3000) -> dict:
     """CPU time per 1 KiB round trip in each process (all threads: ZeroMQ's I/O thread too)."""
-    from shared.client import control_request
+    from modelwarden.shared.client import control_request
 
     status = control_request(f"ipc://{workdir}/run/control.sock", {"type": "status"})["status"]
     worker = status["workers"][0]["pid"]

@@ -1,6 +1,6 @@
 """The modelwarden client.
 
-    from shared.client import Client
+    from modelwarden.shared.client import Client
     with Client() as client:                     # MODELWARDEN_ENDPOINT, or the local daemon
         y = client.infer("mlp", torch.randn(8, 64))
         futures = [client.submit("mlp", x) for x in batch]   # many in flight
@@ -44,14 +44,14 @@ import torch
 import zmq
 import zmq.asyncio
 
-from shared import protocol
-from shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
-from shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
+from modelwarden.shared import protocol
+from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
                            UnknownModel, WorkerDied, error_from_reply)
-from shared.protocol import SIGNATURE
-from shared.session import Reply, Session
-from shared.sockets import recv_parts, send_parts
+from modelwarden.shared.protocol import SIGNATURE
+from modelwarden.shared.session import Reply, Session
+from modelwarden.shared.sockets import recv_parts, send_parts
 
 GRACE_S = 1.0  # how much longer than the request timeout the client waits for the daemon
 HELLO_TIMEOUT_S = 10.0  # the first exchange has no queue to wait in: a silent daemon is down

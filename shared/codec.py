@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.protocol import DTYPES
+from modelwarden.shared.protocol import DTYPES
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -32,7 +32,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {value: key for key, value in TORCH_DTYPES.items()}
 if set(TORCH_DTYPES) != set(DTYPES):  # the protocol table and this one must agree
-    raise ImportError("shared.codec and shared.protocol disagree on dtypes")
+    raise ImportError("modelwarden.shared.codec and modelwarden.shared.protocol disagree on dtypes")
 
 # Received frames are read-only memoryviews over buffers ZeroMQ owns; a tensor over one is safe
 # to read, and torch warns about it once per process. The warning says nothing we act on.

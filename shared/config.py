@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from shared.protocol import DTYPES
+from modelwarden.shared.protocol import DTYPES
 
 ENV_PREFIX = "MODELWARDEN_"
 ENV_CONFIG = "MODELWARDEN_CONFIG"

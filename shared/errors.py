@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared import protocol
+from modelwarden.shared import protocol
 
 
 class RemoteError(Exception):

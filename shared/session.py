@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared import protocol
-from shared.codec import as_tensor, dtype_name, flatten, from_bytes, raw_bytes, to_numpy, unflatten
-from shared.errors import InternalError, Timeout, error_from_reply
-from shared.protocol import SIGNATURE
-from shared.shm import ALIGN, Region, ShmArena
+from modelwarden.shared import protocol
+from modelwarden.shared.codec import as_tensor, dtype_name, flatten, from_bytes, raw_bytes, to_numpy, unflatten
+from modelwarden.shared.errors import InternalError, Timeout, error_from_reply
+from modelwarden.shared.protocol import SIGNATURE
+from modelwarden.shared.shm import ALIGN, Region, ShmArena
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.protocol import SEGMENT_NAME_RE, SEGMENT_PREFIX
+from modelwarden.shared.protocol import SEGMENT_NAME_RE, SEGMENT_PREFIX
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # cache-line alignment for every region we hand out

@@ -1,8 +1,8 @@
-"""``python -m supervisor``: the same as the ``modelwarden`` command."""
+"""``python -m modelwarden.supervisor``: the same as the ``modelwarden`` command."""
 
 import sys
 
-from supervisor.cli import main
+from modelwarden.supervisor.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,22 +27,22 @@ from pathlib import Path
 
 import zmq
 
-from shared import __version__, protocol, shm
-from shared.sockets import recv_parts, send_parts
-from shared.config import ModelConfig, Settings, WorkerSpec
-from shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
-from shared.states import WorkerState
-from supervisor.commands import COMMANDS
-from supervisor.handle import WorkerHandle
-from supervisor.placement import SlotPlacement, plan
-from supervisor.pool import ModelPool
-from supervisor.probes import ProbeJudge, load_golden
-from supervisor.router import Router
-from supervisor.runtime import DaemonError, claim_runtime_dir, share_with_group
-from supervisor.segments import SegmentRegistry
-from supervisor.systemd import Notifier
-from supervisor.timers import Timers
-from worker import main as worker_main
+from modelwarden.shared import __version__, protocol, shm
+from modelwarden.shared.sockets import recv_parts, send_parts
+from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
+from modelwarden.shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
+from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor.commands import COMMANDS
+from modelwarden.supervisor.handle import WorkerHandle
+from modelwarden.supervisor.placement import SlotPlacement, plan
+from modelwarden.supervisor.pool import ModelPool
+from modelwarden.supervisor.probes import ProbeJudge, load_golden
+from modelwarden.supervisor.router import Router
+from modelwarden.supervisor.runtime import DaemonError, claim_runtime_dir, share_with_group
+from modelwarden.supervisor.segments import SegmentRegistry
+from modelwarden.supervisor.systemd import Notifier
+from modelwarden.supervisor.timers import Timers
+from modelwarden.worker import main as worker_main
 
 logger = logging.getLogger(__name__)
 

@@ -85,7 +85,7 @@ def _add_control(parser: argparse.ArgumentParser) -> None:
 
 
 def _version() -> str:
-    from shared import __version__
+    from modelwarden.shared import __version__
 
     return __version__
 
@@ -97,7 +97,7 @@ def _fail(message: str, code: int) -> int:
 
 def _settings(args):
     """The configuration, or a one-line error and exit code 2 (raised as SystemExit)."""
-    from shared.config import ConfigError, load_settings
+    from modelwarden.shared.config import ConfigError, load_settings
 
     try:
         return load_settings(args.config)
@@ -106,8 +106,8 @@ def _settings(args):
 
 
 def cmd_serve(args) -> int:
-    from shared.config import ConfigError, format_cores
-    from supervisor import placement
+    from modelwarden.shared.config import ConfigError, format_cores
+    from modelwarden.supervisor import placement
 
     settings = _settings(args)
     try:
@@ -124,9 +124,9 @@ def cmd_serve(args) -> int:
 
 
 def _run_daemon(settings, plan) -> int:
-    from shared.logs import setup_logging
-    from supervisor.arbiter import Arbiter
-    from supervisor.runtime import DaemonError
+    from modelwarden.shared.logs import setup_logging
+    from modelwarden.supervisor.arbiter import Arbiter
+    from modelwarden.supervisor.runtime import DaemonError
 
     setup_logging("supervisor", settings.daemon.log_level, settings.daemon.log_format)
     try:
@@ -142,8 +142,8 @@ def _run_daemon(settings, plan) -> int:
 
 
 def cmd_control(args) -> int:
-    from shared.client import RemoteError, Timeout, control_request
-    from supervisor.commands import COMMANDS, EXIT_UNREACHABLE
+    from modelwarden.shared.client import RemoteError, Timeout, control_request
+    from modelwarden.supervisor.commands import COMMANDS, EXIT_UNREACHABLE
 
     endpoint = args.control or _settings(args).control_endpoint
     header = {"type": args.command}
@@ -163,7 +163,7 @@ def cmd_control(args) -> int:
 def cmd_infer(args) -> int:
     import numpy as np
 
-    from shared.client import Client, RemoteError
+    from modelwarden.shared.client import Client, RemoteError
 
     endpoint = args.endpoint
     if endpoint is None and args.config:

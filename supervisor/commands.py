@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from shared import __version__
-from shared.config import format_cores
-from shared.protocol import BAD_REQUEST, ProtocolError
-from shared.states import WorkerState
-from supervisor.handle import read_rss
+from modelwarden.shared import __version__
+from modelwarden.shared.config import format_cores
+from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
+from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor.handle import read_rss
 
 if TYPE_CHECKING:
-    from supervisor.arbiter import Arbiter
+    from modelwarden.supervisor.arbiter import Arbiter
 
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 3
 

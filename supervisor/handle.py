@@ -13,8 +13,8 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from shared.config import WorkerSpec
-from shared.states import ALIVE, EXIT_NAMES, WorkerState, check_transition
+from modelwarden.shared.config import WorkerSpec
+from modelwarden.shared.states import ALIVE, EXIT_NAMES, WorkerState, check_transition
 
 logger = logging.getLogger(__name__)
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -14,7 +14,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from shared.config import ConfigError, Settings, format_cores
+from modelwarden.shared.config import ConfigError, Settings, format_cores
 
 logger = logging.getLogger(__name__)
 

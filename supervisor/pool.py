@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shared.config import ModelConfig
-from shared.states import (BOOTING, STARTUP_FAILURES, IllegalTransition, WorkerState,
+from modelwarden.shared.config import ModelConfig
+from modelwarden.shared.states import (BOOTING, STARTUP_FAILURES, IllegalTransition, WorkerState,
                            check_transition)
-from supervisor.handle import WorkerHandle, exit_cause
-from supervisor.placement import SlotPlacement
-from supervisor.probes import ProbeJudge, Verdict
+from modelwarden.supervisor.handle import WorkerHandle, exit_cause
+from modelwarden.supervisor.placement import SlotPlacement
+from modelwarden.supervisor.probes import ProbeJudge, Verdict
 
 if TYPE_CHECKING:
-    from supervisor.arbiter import Arbiter
+    from modelwarden.supervisor.arbiter import Arbiter
 
 logger = logging.getLogger(__name__)
 S = WorkerState

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.config import ProbeConfig
-from shared.protocol import DTYPES
+from modelwarden.shared.config import ProbeConfig
+from modelwarden.shared.protocol import DTYPES
 
 _NUMPY = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.protocol import POISON, WORKER_DIED, BAD_INPUT, ProtocolError
+from modelwarden.shared.protocol import POISON, WORKER_DIED, BAD_INPUT, ProtocolError
 
 # A request that was in flight on this many workers that all died is poison: it is answered and
 # never retried, so one bad input cannot crash-loop a whole pool.

@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from shared import protocol
-from shared.protocol import (NO_WORKER, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
+from modelwarden.shared import protocol
+from modelwarden.shared.protocol import (NO_WORKER, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
                              TIMEOUT, UNKNOWN_MODEL, ProtocolError)
-from shared.sockets import send_parts
-from shared.states import WorkerState
-from supervisor.handle import WorkerHandle
-from supervisor.probes import decode_outputs, Verdict
-from supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
+from modelwarden.shared.sockets import send_parts
+from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor.handle import WorkerHandle
+from modelwarden.supervisor.probes import decode_outputs, Verdict
+from modelwarden.supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
 
 if TYPE_CHECKING:
-    from supervisor.arbiter import Arbiter
-    from supervisor.pool import ModelPool
+    from modelwarden.supervisor.arbiter import Arbiter
+    from modelwarden.supervisor.pool import ModelPool
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from shared import shm
-from shared.protocol import (BAD_REQUEST, SEGMENT_NOT_REGISTERED, ProtocolError, bad,
+from modelwarden.shared import shm
+from modelwarden.shared.protocol import (BAD_REQUEST, SEGMENT_NOT_REGISTERED, ProtocolError, bad,
                              segment_owner)
 
 MAX_SEGMENTS_PER_CONNECTION = 4096

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import zmq
 
-from shared import protocol, shm
+from modelwarden.shared import protocol, shm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,7 +109,7 @@ class Daemon:
     def start(self) -> "Daemon":
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "serve", "--config", str(self.config_path)],
+            [sys.executable, "-m", "modelwarden", "serve", "--config", str(self.config_path)],
             cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
@@ -117,12 +117,12 @@ class Daemon:
         return self.log_path.read_text(errors="replace")
 
     def status(self, timeout: float = 5.0) -> dict:
-        from shared.client import control_request
+        from modelwarden.shared.client import control_request
 
         return control_request(self.control, {"type": "status"}, timeout)["status"]
 
     def command(self, command: str, **fields: Any) -> dict:
-        from shared.client import control_request
+        from modelwarden.shared.client import control_request
 
         return control_request(self.control, {"type": command, **fields}, 5.0)
 

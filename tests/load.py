@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from shared.client import Client, RemoteError
+from modelwarden.shared.client import Client, RemoteError
 
 
 @dataclass

@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from shared.client import Client, Poison
+from modelwarden.shared.client import Client, Poison
 from tests.faulty import MARKER, reference
 from tests.helpers import ROOT, Daemon, alive, faulty_model, our_segments, poll_until
 from tests.load import run_load
@@ -182,7 +182,7 @@ def test_a_leaking_worker_is_recycled_past_max_rss():
 ORPHAN_CLIENT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
-    from shared.client import Client
+    from modelwarden.shared.client import Client
     client = Client({endpoint!r})
     x = torch.ones(8192, 8)   # 256 KiB: travels in shared memory
     client.infer("survivor", x)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.config import ConfigError, load_settings
+from modelwarden.shared.config import ConfigError, load_settings
 from tests.helpers import ROOT, render_config, mlp_model
 
 
@@ -22,7 +22,7 @@ def serve_check(path: Path, env: dict | None = None) -> subprocess.CompletedProc
 
     environment = {**os.environ, **(env or {})}
     environment.pop("MODELWARDEN_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "supervisor", "serve", "--check", "--config", str(path)],
+    return subprocess.run([sys.executable, "-m", "modelwarden", "serve", "--check", "--config", str(path)],
                           cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60)
 
 

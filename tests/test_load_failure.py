@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from shared.client import Client, NoWorker
-from shared.states import EXIT_LOAD_ERROR, EXIT_NAMES
+from modelwarden.shared.client import Client, NoWorker
+from modelwarden.shared.states import EXIT_LOAD_ERROR, EXIT_NAMES
 from tests.faulty import reference
 from tests.helpers import ROOT, Daemon, faulty_model, poll_until
 
@@ -29,7 +29,7 @@ def test_load_failure_backs_off_then_fatal_while_others_serve():
         assert worker["restarts"] == 3
         status = daemon.status()
         assert status["models"][0]["fatal_slots"] == ["broken#0"]
-        result = subprocess.run([sys.executable, "-m", "supervisor", "status", "--control",
+        result = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--control",
                                  daemon.control], capture_output=True, text=True, cwd=ROOT)
         assert result.returncode == 1  # degraded
         assert "refuses to load" in result.stdout
@@ -46,7 +46,7 @@ def test_load_failure_backs_off_then_fatal_while_others_serve():
 def test_warm_up_uses_the_probe_input_when_no_inputs_are_declared(tmp_path):
     import numpy as np
 
-    from shared.states import EXIT_WARMUP_ERROR
+    from modelwarden.shared.states import EXIT_WARMUP_ERROR
     from tests.faulty import MARKER
 
     np.save(tmp_path / "probe.npy", np.full((1, 8), MARKER, dtype=np.float32))
@@ -61,7 +61,7 @@ def test_warm_up_uses_the_probe_input_when_no_inputs_are_declared(tmp_path):
 
 
 def test_stopping_answers_requests_no_worker_could_serve():
-    from shared.client import ShuttingDown
+    from modelwarden.shared.client import ShuttingDown
 
     broken = faulty_model("later", "load_error", backoff_initial=60.0, max_start_failures=10)
     with Daemon([broken]) as daemon:

@@ -8,8 +8,8 @@ import pytest
 import torch
 import zmq
 
-from shared import protocol
-from shared.client import BadInput, Client, Overloaded, Timeout
+from modelwarden.shared import protocol
+from modelwarden.shared.client import BadInput, Client, Overloaded, Timeout
 from tests.faulty import reference
 from tests.helpers import Daemon, faulty_model, poll_until, raw_request
 from tests.load import run_load

@@ -15,9 +15,9 @@ import torch
 import zmq
 
 from examples.models import make_mlp
-from shared import protocol
-from shared.client import BadInput, BadRequest, Client, UnknownModel
-from shared.config import format_cores
+from modelwarden.shared import protocol
+from modelwarden.shared.client import BadInput, BadRequest, Client, UnknownModel
+from modelwarden.shared.config import format_cores
 from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame, mlp_model,
                            poll_until, raw_request)
 
@@ -102,7 +102,7 @@ def test_one_client_shared_by_threads_and_futures(daemon):
 def test_async_client(daemon):
     import asyncio
 
-    from shared.client import AsyncClient
+    from modelwarden.shared.client import AsyncClient
 
     async def main():
         async with AsyncClient(daemon.endpoint) as client:
@@ -146,7 +146,7 @@ def test_workers_are_pinned_to_disjoint_cores_with_their_thread_count(daemon):
 
 
 def test_status_json_shape_and_exit_code(daemon):
-    result = subprocess.run([sys.executable, "-m", "supervisor", "status", "--json",
+    result = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--json",
                              "--control", daemon.control], capture_output=True, text=True,
                             cwd=ROOT, timeout=30)
     assert result.returncode == 0, result.stderr
@@ -158,7 +158,7 @@ def test_status_json_shape_and_exit_code(daemon):
     for worker in status["workers"]:
         assert expected <= set(worker), expected - set(worker)
         assert worker["state"] == "READY" and worker["rss_bytes"] > 0
-    table = subprocess.run([sys.executable, "-m", "supervisor", "status", "--control",
+    table = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--control",
                             daemon.control], capture_output=True, text=True, cwd=ROOT, timeout=30)
     assert table.returncode == 0 and "mlp#1" in table.stdout and "READY" in table.stdout
 
@@ -166,7 +166,7 @@ def test_status_json_shape_and_exit_code(daemon):
 def test_infer_command(daemon, tmp_path):
     x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    result = subprocess.run([sys.executable, "-m", "supervisor", "infer", "mlp", "--input",
+    result = subprocess.run([sys.executable, "-m", "modelwarden", "infer", "mlp", "--input",
                              str(tmp_path / "x.npy"), "--output", str(tmp_path / "y.npy"),
                              "--endpoint", daemon.endpoint], capture_output=True, text=True,
                             cwd=ROOT, timeout=60)
@@ -285,7 +285,7 @@ def test_sigterm_stops_every_worker_and_exits_zero(tmp_path):
         assert running.stop() == 0
         for pid in pids:
             poll_until(lambda: not alive(pid), 10, message=f"worker {pid} gone")
-        unreachable = subprocess.run([sys.executable, "-m", "supervisor", "status", "--control",
+        unreachable = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--control",
                                       running.control, "--timeout", "1"], capture_output=True,
                                      text=True, cwd=ROOT, timeout=30)
         assert unreachable.returncode == 3, unreachable.stderr
@@ -301,7 +301,7 @@ def test_sigterm_stops_every_worker_and_exits_zero(tmp_path):
 
 
 def test_a_second_daemon_on_the_same_runtime_dir_refuses_to_start(daemon):
-    result = subprocess.run([sys.executable, "-m", "supervisor", "serve", "--config",
+    result = subprocess.run([sys.executable, "-m", "modelwarden", "serve", "--config",
                              str(daemon.config_path)], capture_output=True, text=True, cwd=ROOT,
                             timeout=60)
     assert result.returncode == 1
@@ -312,7 +312,7 @@ def test_a_second_daemon_on_the_same_runtime_dir_refuses_to_start(daemon):
 
 
 def test_a_client_without_a_daemon_says_so(tmp_path):
-    from shared.client import Timeout
+    from modelwarden.shared.client import Timeout
 
     with Client(f"ipc://{tmp_path}/nothing.sock", timeout=0.5) as client:
         with pytest.raises(Timeout, match="socket file does not exist"):

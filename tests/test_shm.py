@@ -11,9 +11,9 @@ import pytest
 import torch
 import zmq
 
-from shared import protocol, shm
-from shared.client import BadRequest, Client
-from shared.codec import TORCH_DTYPES
+from modelwarden.shared import protocol, shm
+from modelwarden.shared.client import BadRequest, Client
+from modelwarden.shared.codec import TORCH_DTYPES
 from tests.helpers import ROOT, Daemon, alive, our_segments, poll_until
 
 THRESHOLD = 4096  # small, so modest tensors take the shared-memory path
@@ -328,7 +328,7 @@ def test_segment_truncated_under_a_worker_kills_only_that_worker():
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
-    from shared.client import Client
+    from modelwarden.shared.client import Client
     client = Client({endpoint!r})
     x = client.empty((512, 512)); x.fill_(2.0)
     client.infer("slow", x)
@@ -408,7 +408,7 @@ def test_threads_and_futures_share_one_clients_shared_memory(daemon):
 def test_clients_survive_a_daemon_restart():
     import asyncio
 
-    from shared.client import AsyncClient
+    from modelwarden.shared.client import AsyncClient
 
     with Daemon([echo("fresh", copy=True)], daemon={"shm_threshold": THRESHOLD}) as daemon:
         daemon.wait_ready()

@@ -12,14 +12,14 @@ import itertools
 
 import pytest
 
-from shared.config import ModelConfig, WorkerSpec
-from shared.states import EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERROR
-from shared.states import WorkerState as S
-from supervisor.handle import WorkerHandle
-from supervisor.placement import SlotPlacement
-from supervisor.pool import ModelPool
-from supervisor.probes import ProbeJudge, Verdict
-from supervisor.timers import Timers
+from modelwarden.shared.config import ModelConfig, WorkerSpec
+from modelwarden.shared.states import EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERROR
+from modelwarden.shared.states import WorkerState as S
+from modelwarden.supervisor.handle import WorkerHandle
+from modelwarden.supervisor.placement import SlotPlacement
+from modelwarden.supervisor.pool import ModelPool
+from modelwarden.supervisor.probes import ProbeJudge, Verdict
+from modelwarden.supervisor.timers import Timers
 
 SIGKILLED = -9
 SIGSEGV = -11

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import zmq
 
-from shared.config import ProbeConfig
-from supervisor.probes import ProbeJudge, decode_outputs, load_golden
+from modelwarden.shared.config import ProbeConfig
+from modelwarden.supervisor.probes import ProbeJudge, decode_outputs, load_golden
 
 
 def judge(**config) -> ProbeJudge:

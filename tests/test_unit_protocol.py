@@ -10,8 +10,8 @@ import msgpack
 import pytest
 import zmq
 
-from shared import protocol
-from shared.protocol import (
+from modelwarden.shared import protocol
+from modelwarden.shared.protocol import (
     BAD_REQUEST,
     MAX_HEADER_BYTES,
     MAX_SEGMENTS_PER_MESSAGE,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared.config import InputSpec
-from shared.protocol import BAD_INPUT, POISON, WORKER_DIED, ProtocolError, TensorDesc
-from supervisor.requests import POISON_AFTER_DEATHS, Request, after_worker_death, check_declared
+from modelwarden.shared.config import InputSpec
+from modelwarden.shared.protocol import BAD_INPUT, POISON, WORKER_DIED, ProtocolError, TensorDesc
+from modelwarden.supervisor.requests import POISON_AFTER_DEATHS, Request, after_worker_death, check_declared
 
 
 def request() -> Request:

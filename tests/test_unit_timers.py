@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.timers import Timers
+from modelwarden.supervisor.timers import Timers
 
 
 class Log:

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from shared.codec import TORCH_DTYPES
-from shared.config import WorkerSpec
+from modelwarden.shared.codec import TORCH_DTYPES
+from modelwarden.shared.config import WorkerSpec
 
 
 class LoadError(RuntimeError):

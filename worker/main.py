@@ -26,11 +26,11 @@ import time
 
 import zmq
 
-from shared.config import WorkerSpec
-from shared.logs import setup_logging
-from shared.states import (EXIT_BOOT_ERROR, EXIT_LOAD_ERROR, EXIT_ORPHANED, EXIT_WARMUP_ERROR,
+from modelwarden.shared.config import WorkerSpec
+from modelwarden.shared.logs import setup_logging
+from modelwarden.shared.states import (EXIT_BOOT_ERROR, EXIT_LOAD_ERROR, EXIT_ORPHANED, EXIT_WARMUP_ERROR,
                            WorkerState)
-from worker.placement import PlacementError, die_with_parent, pin_cpu
+from modelwarden.worker.placement import PlacementError, die_with_parent, pin_cpu
 
 logger = logging.getLogger(__name__)
 BASELINE_RUNS = 5
@@ -64,7 +64,7 @@ def _set_title(spec: WorkerSpec) -> None:
 
 
 def _connect(spec: WorkerSpec):
-    from worker.serve import Channel  # imports torch: only after pinning
+    from modelwarden.worker.serve import Channel  # imports torch: only after pinning
 
     context = zmq.Context(1)
     socket = context.socket(zmq.DEALER)
@@ -84,9 +84,9 @@ def _fail(channel, stage: str, message: str, code: int) -> None:
 def _boot_and_serve(spec: WorkerSpec, channel) -> int:
     import torch
 
-    from worker.loader import LoadError, example_inputs, load_model, probe_inputs
-    from worker.placement import configure_torch
-    from worker.serve import WorkerServer
+    from modelwarden.worker.loader import LoadError, example_inputs, load_model, probe_inputs
+    from modelwarden.worker.placement import configure_torch
+    from modelwarden.worker.serve import WorkerServer
 
     try:
         device = configure_torch(spec)

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 
-from shared.config import WorkerSpec
+from modelwarden.shared.config import WorkerSpec
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ import collections
 
 import torch
 
-from shared.codec import from_bytes
-from shared.protocol import BAD_REQUEST, ProtocolError, TensorDesc
-from shared.shm import Segment, attach_segment
+from modelwarden.shared.codec import from_bytes
+from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError, TensorDesc
+from modelwarden.shared.shm import Segment, attach_segment
 
 MAX_MAPPINGS = 256
 

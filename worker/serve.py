@@ -34,14 +34,14 @@ from typing import Any, Callable
 import torch
 import zmq
 
-from shared import protocol
-from shared.codec import check_finite, dtype_name, flatten, from_bytes, raw_bytes, unflatten
-from shared.config import WorkerSpec
-from shared.protocol import BAD_INPUT, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
-from shared.shm import ALIGN, Segment
-from shared.sockets import recv_parts, send_parts
-from shared.states import EXIT_OK, EXIT_ORPHANED
-from worker.segments import SegmentMaps
+from modelwarden.shared import protocol
+from modelwarden.shared.codec import check_finite, dtype_name, flatten, from_bytes, raw_bytes, unflatten
+from modelwarden.shared.config import WorkerSpec
+from modelwarden.shared.protocol import BAD_INPUT, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
+from modelwarden.shared.shm import ALIGN, Segment
+from modelwarden.shared.sockets import recv_parts, send_parts
+from modelwarden.shared.states import EXIT_OK, EXIT_ORPHANED
+from modelwarden.worker.segments import SegmentMaps
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 2000
