@@ -187,14 +187,21 @@ class DaemonConfig(_Strict):
     shm_threshold: int = Field(default=64 * 1024, ge=0)
     shm_group: str | None = None
     shm_sweep_interval: float = Field(default=2.0, gt=0)
-    max_message_bytes: int = Field(default=2**31)
+    max_message_bytes: int = Field(default=256 * 1024**2, ge=1)
+    max_connections: int | None = Field(default=None, ge=1)
+    max_request_bytes_per_connection: int = Field(default=512 * 1024**2, ge=1)
+    max_request_bytes: int = Field(default=2 * 1024**3, ge=1)
+    max_unread_bytes_per_connection: int = Field(default=64 * 1024**2, ge=1)
+    max_unread_bytes: int = Field(default=1024**3, ge=1)
     graceful_timeout: float = Field(default=30.0, ge=0)
     heartbeat_interval: float = Field(default=0.5, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     python_path: list[Path] = Field(default_factory=list)
 
-    @field_validator("shm_threshold", "max_message_bytes", mode="before")
+    @field_validator("shm_threshold", "max_message_bytes", "max_request_bytes_per_connection",
+                     "max_request_bytes", "max_unread_bytes_per_connection", "max_unread_bytes",
+                     mode="before")
     @classmethod
     def _sizes(cls, value: Any) -> int | None:
         return parse_size(value)

@@ -33,6 +33,8 @@ from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
 from modelwarden.shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.commands import COMMANDS
+from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
+from modelwarden.supervisor.limits import check_message
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.placement import SlotPlacement, plan
 from modelwarden.supervisor.pool import ModelPool
@@ -79,6 +81,7 @@ class Arbiter:
         self._frontend_is_ipc: list[bool] = []
         self.backend: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
+        self.connections: ConnectionGuard | None = None
         self._wakeup_read, self._wakeup_write = socket.socketpair()
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
@@ -88,12 +91,14 @@ class Arbiter:
     # -- life -------------------------------------------------------------------------------
 
     def run(self) -> int:
+        self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         removed = shm.sweep_orphans()
         if removed:
             logger.info("removed %d shared-memory segment(s) left by dead clients", len(removed))
         self._bind()
         self._install_signal_handlers()
+        self.connections.start(sum(len(pool.slots) for pool in self.pools.values()))
         now = self.clock()
         self.timers.call_at(now + TICK, self._tick)
         self.timers.call_at(now + self.settings.daemon.shm_sweep_interval, self._sweep)
@@ -143,12 +148,18 @@ class Arbiter:
                 self.frontends.append(sock)
                 self._frontend_is_ipc.append(endpoint.startswith("ipc://"))
                 self._on(sock, functools.partial(self._on_frontend, index))
+                self._watch_connections(sock, endpoint, pausable=True)
             self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
             self._on(self.control, self._on_control)
+            self._watch_connections(self.control, self.settings.control_endpoint, pausable=False)
             self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False)
             self._on(self.backend, self._on_backend)
         finally:
             os.umask(old_umask)
+
+    def _watch_connections(self, sock: zmq.Socket, endpoint: str, pausable: bool) -> None:
+        monitor = self.connections.watch(sock, endpoint, pausable)
+        self._on(monitor, functools.partial(self.connections.on_monitor, monitor))
 
     def _router_socket(self, endpoint: str, client_facing: bool) -> zmq.Socket:
         sock = self.context.socket(zmq.ROUTER)
@@ -157,6 +168,7 @@ class Arbiter:
             sock.setsockopt(zmq.MAXMSGSIZE, self.settings.daemon.max_message_bytes)
             sock.setsockopt(zmq.SNDHWM, FRONTEND_HWM)
             sock.setsockopt(zmq.RCVHWM, FRONTEND_HWM)
+            sock.setsockopt(zmq.BACKLOG, BACKLOG)
         else:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
@@ -196,6 +208,8 @@ class Arbiter:
             handle.process.join(5)
             handle.exitcode = handle.process.exitcode
         signal.set_wakeup_fd(-1)
+        if self.connections is not None:
+            self.connections.close()
         for sock in (*self.frontends, self.control, self.backend):
             if sock is not None:
                 sock.close()
@@ -233,6 +247,13 @@ class Arbiter:
                                    "internal error; see the daemon's log")
 
     def _frontend_message(self, index: int, sock: zmq.Socket, frames: list) -> None:
+        try:
+            check_message(frames, self.settings.daemon.max_message_bytes)
+        except ProtocolError as exc:
+            route = protocol.reply_route(frames)
+            frames.clear()  # release the payload now, not after the reply is queued
+            self.router.send_error(sock, route, None, exc.code, exc.message)
+            return
         try:
             envelope = protocol.split_router_message(frames)
             header = protocol.unpack_header(envelope.header.buffer)
@@ -374,6 +395,8 @@ class Arbiter:
             pool.tick(now)
             self.router.send_due_probes(pool, pool.ready())
             self.router.dispatch(pool)
+        self.connections.tick()
+        self.router.replies.sweep()
         if self.stopping:
             self._shutdown_step(now)
 

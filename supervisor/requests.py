@@ -29,6 +29,8 @@ class Request:
     dispatched_ns: int = 0
     deaths: int = 0
     done: bool = False
+    connection: Any = None  # (frontend index, routing id): whose byte budgets it counts against
+    nbytes: int = 0  # inline payload bytes held until it is answered
 
 
 @dataclass(eq=False, slots=True)

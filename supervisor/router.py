@@ -23,6 +23,7 @@ from modelwarden.shared.protocol import (NO_WORKER, OVERLOADED, SHUTTING_DOWN, S
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.handle import WorkerHandle
+from modelwarden.supervisor.limits import ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.probes import decode_outputs, Verdict
 from modelwarden.supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
 
@@ -43,6 +44,10 @@ class Router:
         self.arbiter = arbiter
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
         self._rids = itertools.count(1)
+        daemon = arbiter.settings.daemon
+        self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
+                                          daemon.max_request_bytes)
+        self.replies = ReplyLedger(daemon.max_unread_bytes_per_connection, daemon.max_unread_bytes)
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -67,13 +72,19 @@ class Router:
             if len(pool.queue) >= pool.config.max_queue:
                 raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(pool.queue)} requests "
                                     "queued (max_queue); retry later")
+            refusal = self.replies.refusal(connection)
+            if refusal is not None:
+                raise ProtocolError(OVERLOADED, refusal)
+            nbytes = payload_bytes(envelope.payload)
+            self.request_bytes.take(connection, nbytes)  # last: nothing may refuse it after this
         except ProtocolError as exc:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
             return
         now = arbiter.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
         request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
-                          envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout)
+                          envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
+                          connection=connection, nbytes=nbytes)
         request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)
         self.pending[request.rid] = request
         pool.queue.append(request)
@@ -187,9 +198,14 @@ class Router:
         request.done = True
         self.arbiter.timers.cancel(request.timer)
         self.pending.pop(request.rid, None)
+        self.request_bytes.give_back(request.connection, request.nbytes)
         parts = [*request.route, SIGNATURE, protocol.pack(reply)]
         if frames:
             parts.extend(frames)
+            dropped = self.replies.prepare(request.connection, parts, payload_bytes(frames))
+            if dropped is not None:
+                parts = [*request.route, SIGNATURE, protocol.pack(
+                    protocol.error_header(request.client_id, OVERLOADED, dropped))]
         try:
             send_parts(request.socket, parts)
         except zmq.ZMQError as exc:  # a closing socket at shutdown; a ROUTER drops the rest silently

@@ -1,0 +1,276 @@
+"""Connections and file descriptors: the daemon refuses new connections before it runs out.
+
+Why. Every accepted connection costs the supervisor one file descriptor, taken by libzmq's I/O
+thread, not by our loop. What libzmq 4.3.5 does when ``accept()`` fails depends on the transport:
+
+* ``src/tcp_listener.cpp`` tolerates ``EMFILE``/``ENFILE``/``ENOBUFS``/``ENOMEM`` (it ignores the
+  connection, which stays in the kernel's queue; the level-triggered poller retries at once);
+* ``src/ipc_listener.cpp`` line 297 tolerates only ``EAGAIN EWOULDBLOCK EINTR ECONNABORTED EPROTO
+  ENFILE``: at ``EMFILE`` its ``errno_assert`` aborts the whole supervisor, and the workers with
+  it (``Too many open files (src/ipc_listener.cpp:297)``). The frontends, the control socket and
+  the backend the workers connect to are all ipc listeners; libzmq also asserts when it cannot
+  make the eventfd of a new socket.
+
+So the descriptor table must never fill. The contract:
+
+1. ``raise_fd_limit()`` lifts the soft ``RLIMIT_NOFILE`` to the hard limit at start (the workers
+   inherit it).
+2. A ZeroMQ socket monitor on every client-facing socket counts live connections (``ACCEPTED``
+   +1, ``DISCONNECTED`` -1; a connection that never finishes its handshake is dropped by libzmq
+   after ``ZMQ_HANDSHAKE_IVL``, 30 s, and counted down then). The monitors sit in the loop's one
+   poller.
+3. At the high-water mark -- ``max_connections`` client connections, or fewer than ``reserve``
+   descriptors left -- the frontend listeners are *paused*: the kernel stops handing them
+   connections while every connection already accepted keeps being served. Below the low-water
+   mark (90 % of the high-water mark, and twice the reserve free) they resume. Both are logged.
+
+Pausing is not ``zmq_unbind``: unbinding terminates the listener together with every session it
+accepted (they are its children in libzmq's object tree), which would drop the clients already
+being served. Instead:
+
+* an ``ipc://`` listener's socket file is renamed aside (``.NAME.paused`` in the same directory):
+  new clients get ENOENT; the listening socket, its permissions and its accepted connections stay
+  as they are; resuming renames it back;
+* a ``tcp://`` listener gets a classic BPF filter that drops every packet (``SO_ATTACH_FILTER``):
+  the kernel runs a listening socket's filter on each SYN, so new clients are not answered (their
+  SYNs are retransmitted, and connect once the listener resumes); connections accepted before
+  keep their own (empty) filter; resuming detaches it.
+
+The control endpoint is counted but never paused (it is the operator's way in; its directory is
+private), nor is the backend (the workers'). Bursts: the I/O thread accepts whatever arrives until
+the loop has paused the listener, and connections already queued in the kernel (at most
+``BACKLOG`` per listener) are accepted after the pause. ``reserve`` covers both: ``RESERVE_BASE``
+for the daemon's own descriptors (worker sentinels and backend connections, a respawn's pipes,
+``buffers.sock`` and the memfds it passes) plus ``BACKLOG + BURST`` per paused listener, where
+``BURST`` is the accepts one loop pass may let through.
+
+``can_accept()`` is for listeners the loop accepts on itself (plain sockets): when it says no,
+accept and close at once (a level-triggered poll would otherwise spin) -- the reserve pays the
+one descriptor for that moment.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import resource
+import socket
+import struct
+from pathlib import Path
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+BACKLOG = 64  # ZMQ_BACKLOG on client-facing listeners: what the kernel queues unaccepted
+BURST = 64  # connections the I/O thread may accept in one loop pass before the pause lands
+RESERVE_BASE = 128  # the daemon's own descriptors beyond its client connections
+FDS_PER_WORKER = 4  # its sentinel, its backend connection, a respawn's pipes
+MIN_HIGH_WATER = 16
+EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
+SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+SO_DETACH_FILTER = getattr(socket, "SO_DETACH_FILTER", 27)
+
+# One classic BPF instruction, "ret #0": accept zero bytes of every packet, i.e. drop it.
+_DROP_ALL = (ctypes.c_uint8 * 8).from_buffer_copy(struct.pack("=HBBI", 0x06, 0, 0, 0))
+_DROP_ALL_PROG = struct.pack("@HP", 1, ctypes.addressof(_DROP_ALL))
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft RLIMIT_NOFILE to the hard limit; return the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else int(Path("/proc/sys/fs/nr_open").read_text())
+    if soft != resource.RLIM_INFINITY and soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:
+        logger.warning("cannot raise the file-descriptor limit from %d to %d: %s", soft, target, exc)
+        return soft
+    if soft != target:
+        logger.info("file-descriptor limit raised from %d to %d", soft, target)
+    return target
+
+
+def open_fds() -> int:
+    """Descriptors this process has open now (listing the directory itself takes one)."""
+    return len(os.listdir("/proc/self/fd")) - 1
+
+
+class Listener:
+    """One client-facing endpoint, pausable without touching its accepted connections."""
+
+    def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
+        self.endpoint = endpoint
+        self.paused = False
+        self._path: Path | None = None
+        self._fd: int | None = None
+        if endpoint.startswith("ipc://"):
+            self._path = Path(endpoint[len("ipc://"):])
+        else:
+            self._fd = _listening_fd(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    @property
+    def pausable(self) -> bool:
+        return self._path is not None or self._fd is not None
+
+    def pause(self) -> None:
+        if self._path is not None:
+            os.rename(self._path, self._aside())
+        elif self._fd is not None:
+            _setsockopt_fd(self._fd, SO_ATTACH_FILTER, _DROP_ALL_PROG)
+        self.paused = True
+
+    def resume(self) -> None:
+        if self._path is not None:
+            os.rename(self._aside(), self._path)
+        elif self._fd is not None:
+            _setsockopt_fd(self._fd, SO_DETACH_FILTER, struct.pack("i", 0))
+        self.paused = False
+
+    def _aside(self) -> Path:
+        return self._path.with_name(f".{self._path.name}.paused")
+
+
+def _setsockopt_fd(fd: int, option: int, value: bytes) -> None:
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, option, value)
+    finally:
+        sock.detach()  # the descriptor is libzmq's: never close it here
+
+
+def _listening_fd(last_endpoint: str) -> int | None:
+    """The descriptor of the TCP listener libzmq bound at ``tcp://HOST:PORT`` (libzmq does not
+    expose it; we find it among our own descriptors by its address)."""
+    host, _, port = last_endpoint[len("tcp://"):].rpartition(":")
+    wanted = (host.strip("[]"), int(port))
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            if listening and sock.type == socket.SOCK_STREAM and sock.getsockname()[:2] == wanted:
+                return fd
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    logger.warning("cannot find the listener of %s: it will not pause under load", last_endpoint)
+    return None
+
+
+class ConnectionGuard:
+    """Counts client connections and pauses/resumes the frontend listeners around the marks."""
+
+    def __init__(self, fd_limit: int, max_connections: int | None, count_fds=open_fds) -> None:
+        self.fd_limit = fd_limit
+        self.max_connections = max_connections
+        self.count_fds = count_fds
+        self.connections = 0
+        self.paused = False
+        self.listeners: list[Listener] = []
+        self.monitors: list[zmq.Socket] = []
+        self.reserve = RESERVE_BASE
+        self.high_water = MIN_HIGH_WATER
+        self.low_water = MIN_HIGH_WATER - 1
+
+    def watch(self, sock: zmq.Socket, endpoint: str, pausable: bool) -> zmq.Socket:
+        """Count ``sock``'s connections (and pause its listener if ``pausable``); return the
+        monitor socket, to register in the loop's poller with ``on_monitor`` as handler."""
+        if pausable:
+            self.listeners.append(Listener(endpoint, sock))
+        monitor = sock.get_monitor_socket(EVENTS)
+        self.monitors.append(monitor)
+        return monitor
+
+    def start(self, worker_slots: int) -> None:
+        """Fix the marks once every socket is bound: what is open now is the daemon's own."""
+        paused = sum(listener.pausable for listener in self.listeners)
+        self.reserve = RESERVE_BASE + (BACKLOG + BURST) * paused + FDS_PER_WORKER * worker_slots
+        room = self.fd_limit - self.count_fds() - self.reserve
+        if room < MIN_HIGH_WATER:
+            logger.warning("file-descriptor limit %d leaves room for %d client connections "
+                           "(reserve %d); raise LimitNOFILE", self.fd_limit, max(room, 0), self.reserve)
+        self.high_water = max(MIN_HIGH_WATER, min(room, self.max_connections or room))
+        self.low_water = max(self.high_water * 9 // 10, self.high_water - 1) if self.high_water > 10 \
+            else self.high_water - 1
+        logger.info("client connections: at most %d (fd limit %d, reserve %d)",
+                    self.high_water, self.fd_limit, self.reserve)
+
+    def on_monitor(self, monitor: zmq.Socket) -> None:
+        """Take every event waiting on one monitor, then decide once."""
+        while True:
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            event, value = struct.unpack("=HI", frames[0][:6])
+            if event == zmq.EVENT_ACCEPTED:
+                self.connections += 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connections = max(0, self.connections - 1)
+            elif event == zmq.EVENT_ACCEPT_FAILED:
+                logger.warning("accept failed on %s: %s", frames[1].decode(errors="replace"),
+                               os.strerror(value) if value else "unknown error")
+        self._decide()
+
+    def tick(self) -> None:
+        """While paused, descriptors may come back without a connection event (a worker gone)."""
+        if self.paused:
+            self._decide()
+
+    def can_accept(self) -> bool:
+        """May a listener the loop serves itself accept one more connection now?"""
+        return not self.paused and self.fd_limit - self.count_fds() > self.reserve
+
+    def _decide(self) -> None:
+        if not self.paused:
+            if self.connections >= self.high_water or self._free() < self.reserve:
+                self._pause()
+        elif self.connections <= self.low_water and self._free() >= 2 * self.reserve:
+            self._resume()
+
+    def _free(self) -> int:
+        return self.fd_limit - self.count_fds()
+
+    def _pause(self) -> None:
+        self.paused = True
+        for listener in self.listeners:
+            try:
+                listener.pause()
+            except OSError as exc:
+                logger.error("cannot pause %s: %s", listener.endpoint, exc)
+        logger.warning("%d client connections, %d descriptors free: new connections paused on %s",
+                       self.connections, self._free(),
+                       " ".join(listener.endpoint for listener in self.listeners) or "nothing")
+
+    def _resume(self) -> None:
+        self.paused = False
+        for listener in self.listeners:
+            if listener.paused:
+                try:
+                    listener.resume()
+                except OSError as exc:
+                    if exc.errno != errno.ENOENT:
+                        raise
+                    logger.error("cannot resume %s: %s", listener.endpoint, exc)
+        logger.warning("%d client connections: accepting new connections again", self.connections)
+
+    def close(self) -> None:
+        """Put paused socket files back (libzmq unlinks them at close) and stop the monitors."""
+        for listener in self.listeners:
+            if listener.paused:
+                try:
+                    listener.resume()
+                except OSError:
+                    pass
+        for monitor in self.monitors:
+            monitor.close(0)
