@@ -39,6 +39,7 @@ class Timers:
         if timer is None or timer.cancelled:
             return
         timer.cancelled = True
+        timer.args = ()  # a cancelled entry waits in the heap: it must not keep a request's payload alive
         self._cancelled += 1
         # Cancelled entries wait for their time to pop; rebuild when they are most of the heap
         # (requests that finish long before their deadline would otherwise pile up).

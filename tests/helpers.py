@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -86,7 +87,7 @@ class Daemon:
     """The real daemon in a subprocess, on a private runtime directory."""
 
     def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None,
-                 extra_frontends: list[str] = ()) -> None:
+                 extra_frontends: list[str] = (), nofile: int | None = None) -> None:
         # Short paths: a unix socket path is limited to 107 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
         settings = {"runtime_dir": str(self.dir / "run"), "allow_oversubscription": True,
@@ -100,6 +101,7 @@ class Daemon:
         self.log_path = self.dir / "daemon.log"
         self.env = {**os.environ, **(env or {})}
         self.env.pop("MODELWARDEN_CONFIG", None)
+        self.nofile = nofile  # RLIMIT_NOFILE (soft = hard) for the daemon, if given
         self.process: subprocess.Popen | None = None
         self.endpoint = f"ipc://{self.dir}/run/frontend.sock"
         self.control = f"ipc://{self.dir}/run/control.sock"
@@ -110,8 +112,12 @@ class Daemon:
         self._log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "modelwarden", "serve", "--config", str(self.config_path)],
-            cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+            cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=self._limit_fds if self.nofile else None)
         return self
+
+    def _limit_fds(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -233,6 +239,14 @@ def raw_request(endpoint: str, frames: list[bytes], timeout: float = 10.0) -> di
         return protocol.unpack_header(reply[1])
     finally:
         sock.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` (VmRSS in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
 
 
 def header_frame(header: dict) -> bytes:
