@@ -22,7 +22,8 @@ So the descriptor table must never fill. The contract:
 3. At the high-water mark -- ``max_connections`` client connections, or fewer than ``reserve``
    descriptors left -- the frontend listeners are *paused*: the kernel stops handing them
    connections while every connection already accepted keeps being served. Below the low-water
-   mark (90 % of the high-water mark, and twice the reserve free) they resume. Both are logged.
+   mark (90 % of the high-water mark, and as many descriptors above the reserve free) they
+   resume. Both are logged.
 
 Pausing is not ``zmq_unbind``: unbinding terminates the listener together with every session it
 accepted (they are its children in libzmq's object tree), which would drop the clients already
@@ -235,7 +236,8 @@ class ConnectionGuard:
         if not self.paused:
             if self.connections >= self.high_water or self._free() < self.reserve:
                 self._pause()
-        elif self.connections <= self.low_water and self._free() >= 2 * self.reserve:
+        elif (self.connections <= self.low_water
+              and self._free() >= self.reserve + self.high_water - self.low_water):
             self._resume()
 
     def _free(self) -> int:
