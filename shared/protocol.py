@@ -124,7 +124,7 @@ ERROR_CODES: dict[str, str] = {
     WORKER_DIED: "the worker died while holding the request and retries are off or spent",
     POISON: "the request was in flight on two workers that both died; it is not retried again",
     TIMEOUT: "the request's deadline passed before an answer",
-    OVERLOADED: "the model's queue is full; retry later",
+    OVERLOADED: "a queue or byte limit is full (the message names it); retry later",
     SHUTTING_DOWN: "the daemon is stopping and takes no new work",
     INTERNAL: "a bug in modelwarden; the daemon's log has the details",
 }

@@ -94,7 +94,8 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "uptime_s": round(now - arbiter.started_at, 3),
                        "endpoints": {"frontend": arbiter.settings.frontends,
                                      "control": arbiter.settings.control_endpoint},
-                       "stopping": arbiter.stopping, "pending": len(arbiter.router.pending)},
+                       "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
+                       "limits": limits_snapshot(arbiter)},
             "models": models, "workers": workers}
 
 
@@ -138,6 +139,14 @@ def _handle_row(handle, now: float) -> dict:
                   "consecutive_failures": probe.consecutive_failures, "drift": probe.drift,
                   "latency_us": probe.latency_us, "baseline_us": probe.baseline_us},
     }
+
+
+def limits_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
+    guard, router = arbiter.connections, arbiter.router
+    return {"connections": guard.connections if guard else None,
+            "max_connections": guard.high_water if guard else None,
+            "listeners_paused": guard.paused if guard else False,
+            "request_bytes": router.request_bytes.total, "unread_reply_bytes": router.replies.total}
 
 
 def status_table(status: dict) -> str:

@@ -201,8 +201,7 @@ class ConnectionGuard:
             logger.warning("file-descriptor limit %d leaves room for %d client connections "
                            "(reserve %d); raise LimitNOFILE", self.fd_limit, max(room, 0), self.reserve)
         self.high_water = max(MIN_HIGH_WATER, min(room, self.max_connections or room))
-        self.low_water = max(self.high_water * 9 // 10, self.high_water - 1) if self.high_water > 10 \
-            else self.high_water - 1
+        self.low_water = min(self.high_water * 9 // 10, self.high_water - 1)
         logger.info("client connections: at most %d (fd limit %d, reserve %d)",
                     self.high_water, self.fd_limit, self.reserve)
 

@@ -1,0 +1,87 @@
+"""Unit tests for the byte ledgers and the connection marks (no daemon; real pyzmq frames)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from modelwarden.shared.protocol import BAD_REQUEST, OVERLOADED, ProtocolError
+from modelwarden.supervisor.connections import ConnectionGuard
+from modelwarden.supervisor.limits import MAX_FRAMES, TRACK_EVERY, ReplyLedger, RequestBytes, check_message
+from tests.helpers import poll_until
+
+PEER = (0, b"peer")
+OTHER = (0, b"other")
+
+
+def test_a_message_is_checked_for_frames_and_total_bytes():
+    check_message([b"x"] * MAX_FRAMES, MAX_FRAMES)
+    with pytest.raises(ProtocolError) as too_many:
+        check_message([b"x"] * (MAX_FRAMES + 1), 1 << 20)
+    with pytest.raises(ProtocolError) as too_big:
+        check_message([b"x" * 600, b"y" * 600], 1000)
+    assert too_many.value.code == too_big.value.code == BAD_REQUEST
+    assert "max_message_bytes (1000)" in too_big.value.message
+
+
+def test_request_bytes_are_capped_per_connection_and_in_all_and_given_back():
+    ledger = RequestBytes(per_connection=100, total=150)
+    ledger.take(PEER, 100)
+    with pytest.raises(ProtocolError) as per_connection:
+        ledger.take(PEER, 1)
+    ledger.take(OTHER, 50)
+    with pytest.raises(ProtocolError) as in_all:
+        ledger.take(OTHER, 1)
+    assert per_connection.value.code == in_all.value.code == OVERLOADED
+    assert "max_request_bytes_per_connection" in per_connection.value.message
+    assert "max_request_bytes (150)" in in_all.value.message
+    ledger.give_back(PEER, 100)
+    ledger.give_back(OTHER, 50)
+    assert ledger.total == 0 and ledger.by_connection == {}
+
+
+def test_unwritten_replies_are_capped_and_released_once_written():
+    ledger = ReplyLedger(per_connection=3 * TRACK_EVERY, total=1 << 40)
+    sent = []
+    for _ in range(3):
+        parts = [b"route", b"MWP1", b"header", bytes(TRACK_EVERY)]
+        assert ledger.prepare(PEER, parts, TRACK_EVERY) is None
+        sent.append(parts)  # held, as libzmq holds what the peer has not read
+    refusal = ledger.prepare(PEER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY)
+    assert refusal is not None and "max_unread_bytes_per_connection" in refusal
+    assert ledger.refusal(PEER) is not None
+    assert ledger.prepare(OTHER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
+    sent.clear()  # "written": the tracked frames are freed
+    gc.collect()
+    poll_until(lambda: ledger.refusal(PEER) is None, 5, message="the backlog written")
+    assert ledger.prepare(PEER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
+
+
+def test_the_guard_pauses_at_the_high_water_mark_and_resumes_below_the_low_one():
+    fds = {"open": 100}
+    guard = ConnectionGuard(fd_limit=1000, max_connections=50, count_fds=lambda: fds["open"])
+    guard.start(worker_slots=2)
+    assert guard.high_water == 50 and guard.low_water == 45
+    guard.connections = 50
+    guard._decide()
+    assert guard.paused and not guard.can_accept()
+    guard.connections = 46
+    guard._decide()
+    assert guard.paused
+    guard.connections = 45
+    guard._decide()
+    assert not guard.paused and guard.can_accept()
+
+
+def test_the_guard_pauses_when_descriptors_run_low_whatever_the_count():
+    fds = {"open": 100}
+    guard = ConnectionGuard(fd_limit=1000, max_connections=None, count_fds=lambda: fds["open"])
+    guard.start(worker_slots=0)
+    assert guard.high_water == 1000 - 100 - guard.reserve
+    fds["open"] = 1000 - guard.reserve + 1  # something else took descriptors
+    guard._decide()
+    assert guard.paused
+    fds["open"] = 100
+    guard.tick()
+    assert not guard.paused
