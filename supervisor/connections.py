@@ -53,7 +53,6 @@ one descriptor for that moment.
 from __future__ import annotations
 
 import ctypes
-import errno
 import logging
 import os
 import resource
@@ -259,9 +258,7 @@ class ConnectionGuard:
             if listener.paused:
                 try:
                     listener.resume()
-                except OSError as exc:
-                    if exc.errno != errno.ENOENT:
-                        raise
+                except OSError as exc:  # the file was removed under us: nothing to put back
                     logger.error("cannot resume %s: %s", listener.endpoint, exc)
         logger.warning("%d client connections: accepting new connections again", self.connections)
 
