@@ -99,6 +99,9 @@ def test_a_hung_probe_is_caught_and_the_worker_replaced():
     # batch 1 is only ever the probe here (clients send 2..5 rows): calls 1-8 are warm-up,
     # baseline and the first probe; the second probe hangs
     model = chaos_model("probehang", "hang", workers=1, after=8, only_batch=1)
+    # Heartbeats may not be what catches it: a hung forward also stops them, so give the
+    # heartbeat check a minute and leave the probe timeout alone to find the hang.
+    model.update(heartbeat_timeout=60.0, drain_timeout=1.0)
     model["probe"] = {"interval": 0.3, "timeout": 1.0}
     with Daemon([model]) as daemon:
         daemon.wait_ready()
@@ -108,6 +111,8 @@ def test_a_hung_probe_is_caught_and_the_worker_replaced():
         counts = run_load(daemon.endpoint, "probehang", reference, clients=2, requests=10,
                           make_input=lambda rng: torch.randn(rng.randint(2, 5), 8))
         assert_no_request_lost(counts)
+        assert "no answer in 1.0s" in daemon.log()
+        assert "no heartbeat" not in daemon.log()
 
 
 def test_poison_input_is_answered_poison_and_the_pool_recovers():
