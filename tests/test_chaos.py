@@ -19,7 +19,7 @@ import torch
 from modelwarden.shared.client import Client, Poison
 from tests.faulty import MARKER, reference
 from tests.helpers import ROOT, Daemon, alive, faulty_model, our_segments, poll_until
-from tests.load import run_load
+from tests.load import CapacitySampler, run_load
 
 pytestmark = pytest.mark.slow
 
@@ -129,14 +129,6 @@ def test_poison_input_is_answered_poison_and_the_pool_recovers():
         assert_no_request_lost(counts)
 
 
-def sample_ready_counts(daemon: Daemon, stop: threading.Event, seen: list) -> None:
-    while not stop.wait(0.05):
-        try:
-            seen.append(daemon.status()["models"][0]["ready"])
-        except Exception:  # a status timeout under load is not a capacity dip
-            pass
-
-
 @pytest.mark.parametrize("fault", ["drift", "nan"])
 def test_a_drifting_worker_is_replaced_before_it_is_retired(fault):
     model = chaos_model("drifty", fault, workers=1, after=12)
@@ -144,18 +136,12 @@ def test_a_drifting_worker_is_replaced_before_it_is_retired(fault):
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         first = daemon.workers()[0]["pid"]
-        stop, seen = threading.Event(), []
-        sampler = threading.Thread(target=sample_ready_counts, args=(daemon, stop, seen))
-        sampler.start()
-        try:
+        with CapacitySampler(daemon, "drifty") as capacity:
             replaced = poll_until(lambda: next((w for w in daemon.workers()
                                                 if w["pid"] != first and w["state"] == "READY"), None),
                                   90, message="a replacement READY")
             poll_until(lambda: not alive(first), 30, message="the drifting worker gone")
-        finally:
-            stop.set()
-            sampler.join()
-        assert seen and min(seen) >= 1, "capacity dipped during the replacement"
+        assert capacity.minimum() >= 1, "capacity dipped during the replacement"
         assert any("failed probes" in c["cause"] for c in replaced["restart_causes"])
         expected = "NaN" if fault == "nan" else "drifted"
         assert expected in daemon.log()
@@ -176,12 +162,15 @@ def test_a_leaking_worker_is_recycled_past_max_rss():
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         first = daemon.workers()[0]["pid"]
-        counts = run_load(daemon.endpoint, "leaky", reference, clients=1, requests=12)
-        assert_no_request_lost(counts)
-        worker = poll_until(lambda: next((w for w in daemon.workers()
-                                          if w["pid"] != first and w["state"] == "READY"), None),
-                            60, message="a recycled worker")
+        with CapacitySampler(daemon, "leaky") as capacity:
+            counts = run_load(daemon.endpoint, "leaky", reference, clients=1, requests=12)
+            assert_no_request_lost(counts)
+            worker = poll_until(lambda: next((w for w in daemon.workers()
+                                              if w["pid"] != first and w["state"] == "READY"), None),
+                                60, message="a recycled worker")
+            poll_until(lambda: not alive(first), 30, message="the leaking worker gone")
         assert any("max_rss" in c["cause"] for c in worker["restart_causes"])
+        assert capacity.minimum() >= 1, "capacity dipped: retired before it was replaced"
 
 
 ORPHAN_CLIENT = textwrap.dedent("""
@@ -222,8 +211,11 @@ def test_restarting_one_worker_leaves_the_others_alone():
     with Daemon([chaos_model("pair", workers=2)]) as daemon:
         daemon.wait_ready()
         before = {w["id"]: w["pid"] for w in daemon.workers()}
-        assert daemon.command("restart", target="pair#1")["restarted"] == ["pair#1"]
-        poll_until(lambda: {w["id"]: w["pid"] for w in daemon.workers("pair", "READY")}.get("pair#1")
-                   not in (None, before["pair#1"]) and len(daemon.workers()) == 2, 60,
-                   message="pair#1 replaced")
+        with CapacitySampler(daemon, "pair") as capacity:
+            assert daemon.command("restart", target="pair#1")["restarted"] == ["pair#1"]
+            poll_until(lambda: {w["id"]: w["pid"] for w in daemon.workers("pair", "READY")}.get("pair#1")
+                       not in (None, before["pair#1"]) and len(daemon.workers()) == 2, 60,
+                       message="pair#1 replaced")
+            poll_until(lambda: not alive(before["pair#1"]), 30, message="the old pair#1 gone")
         assert {w["id"]: w["pid"] for w in daemon.workers()}["pair#0"] == before["pair#0"]
+        assert capacity.minimum() >= 2, "capacity dipped: pair#1 retired before it was replaced"

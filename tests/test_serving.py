@@ -18,8 +18,8 @@ from examples.models import make_mlp
 from modelwarden.shared import protocol
 from modelwarden.shared.client import BadInput, BadRequest, Client, UnknownModel
 from modelwarden.shared.config import format_cores
-from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame, mlp_model,
-                           poll_until, raw_request)
+from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame,
+                           mlp_model, poll_until, raw_request)
 
 REFERENCE = make_mlp(hidden=32).requires_grad_(False)
 
@@ -138,7 +138,6 @@ def test_workers_are_pinned_to_disjoint_cores_with_their_thread_count(daemon):
     for worker in workers:
         assert cpus_allowed(worker["pid"]) == format_cores(worker["cores"])
         assert worker["threads"] == 1 and worker["interop_threads"] == 1
-        assert len(worker["threads"] if isinstance(worker["threads"], list) else [1]) == 1
         sets.append(set(worker["cores"]))
     assert not sets[0] & sets[1], sets
     assert "modelwarden: worker mlp#0 cpu[" in cmdline(workers[0]["pid"])
@@ -257,7 +256,9 @@ def test_client_errors_are_typed(daemon):
             client.infer("mlp", {"y": torch.randn(1, 64)})
         with pytest.raises(TypeError):
             client.infer("mlp", "not a tensor")
-        assert isinstance(BadInput("x"), BadRequest.__mro__[1])  # every error is a RemoteError
+        with pytest.raises(BadRequest) as info:  # the daemon's own verdict, carried by the type
+            client.infer("mlp", torch.zeros(0, 2**25, 2**25, dtype=torch.uint8))
+        assert info.value.code == "BAD_REQUEST" and "exceeds" in info.value.message
 
 
 def test_sigkill_of_a_worker_is_replaced_on_the_same_cores(daemon):
@@ -344,10 +345,13 @@ def test_a_threads_socket_goes_with_the_thread(daemon):
 
 def test_submit_then_close_resolves_every_future(daemon):
     client = Client(daemon.endpoint)
-    futures = [client.submit("mlp", torch.randn(2, 64)) for _ in range(50)]
+    inputs = [torch.randn(2, 64) for _ in range(50)]
+    futures = [client.submit("mlp", x) for x in inputs]
     client.close()
-    for future in futures:  # each is either done or failed: none hangs
-        try:
-            future.result(timeout=10)
-        except RuntimeError as exc:
-            assert "closed" in str(exc)
+    assert all(future.done() for future in futures)  # close() resolved every one, none left waiting
+    for x, future in zip(inputs, futures):  # each is a right answer or says the client closed
+        error = future.exception(timeout=0)
+        if error is None:
+            torch.testing.assert_close(future.result(timeout=0), REFERENCE(x))
+        else:
+            assert isinstance(error, RuntimeError) and "closed" in str(error), error
