@@ -79,7 +79,9 @@ def run_load(endpoint: str, model: str, reference: Callable, clients: int = 4,
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout * max(requests, 1) if stop is None else 600)
+        if thread.is_alive():
+            total.unexpected.append(f"{thread.name} still running: a client hangs")
     return total
 
 

@@ -18,7 +18,8 @@ import torch
 
 from modelwarden.shared.client import Client, Poison
 from tests.faulty import MARKER, reference
-from tests.helpers import ROOT, Daemon, alive, faulty_model, our_segments, poll_until
+from tests.helpers import (ROOT, Daemon, alive, faulty_model, join_within, our_segments, poll_until,
+                           readline_within)
 from tests.load import CapacitySampler, run_load
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,7 @@ def test_sigkill_storm_under_load_loses_nothing():
                               stop=stop)
         finally:
             stop.set()
-            thread.join()
+            join_within(thread)
         assert len(kills) == 12, kills
         assert counts.sent > 100, counts
         assert_no_request_lost(counts)
@@ -194,13 +195,13 @@ def test_supervisor_sigkill_leaves_no_orphan_and_no_leaked_segment():
         script = ORPHAN_CLIENT.format(root=str(ROOT), endpoint=daemon.endpoint)
         client = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
-        assert client.stdout.readline().strip() == "ready"
+        assert readline_within(client.stdout).strip() == "ready"
         os.kill(daemon.process.pid, signal.SIGKILL)
-        daemon.process.wait()
+        daemon.process.wait(30)
         for pid in workers:
             poll_until(lambda: not alive(pid), 15, message=f"worker {pid} gone with its supervisor")
         client.kill()  # the client dies too while no daemon is there to sweep
-        client.wait()
+        client.wait(30)
         assert our_segments() - baseline, "the dead client's segments are still there"
         daemon.start()  # the same configuration, the same runtime directory
         daemon.wait_ready()

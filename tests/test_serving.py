@@ -19,7 +19,7 @@ from modelwarden.shared import protocol
 from modelwarden.shared.client import BadInput, BadRequest, Client, UnknownModel
 from modelwarden.shared.config import format_cores
 from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame,
-                           mlp_model, poll_until, raw_request)
+                           join_within, mlp_model, poll_until, raw_request)
 
 REFERENCE = make_mlp(hidden=32).requires_grad_(False)
 
@@ -72,7 +72,7 @@ def test_concurrent_clients_get_the_models_answers_from_both_workers(daemon):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        join_within(thread)
     assert not errors, errors
     served = {w["id"]: w["requests"] - before[w["id"]] for w in daemon.workers("mlp")}
     assert sum(served.values()) == 400
@@ -93,7 +93,7 @@ def test_one_client_shared_by_threads_and_futures(daemon):
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            join_within(thread)
     for x, y, z in zip(inputs, results, threaded):
         torch.testing.assert_close(y, REFERENCE(x))
         torch.testing.assert_close(z, REFERENCE(x))
@@ -338,7 +338,7 @@ def test_a_threads_socket_goes_with_the_thread(daemon):
         for _ in range(5):
             thread = threading.Thread(target=use)
             thread.start()
-            thread.join()
+            join_within(thread)
         gc.collect()
         assert len(client._connections) == 0  # five threads came and went: no socket left
 
