@@ -6,6 +6,7 @@ inputs, that misbehaves in one chosen way once it has served ``after`` calls *in
 
   none        behaves
   raise       raises ValueError when the input holds the marker value 13.0
+  oom         raises torch.OutOfMemoryError when the input holds the marker value 13.0
   poison      SIGKILLs its own process when the input holds the marker 13.0 (kills every worker)
   segfault    faulthandler._sigsegv() in forward
   exit0       os._exit(0) in forward
@@ -62,6 +63,8 @@ class Faulty(nn.Module):
         has_marker = bool((x == MARKER).any())
         if self.fault == "raise" and has_marker:
             raise ValueError("the input holds the marker value")
+        if self.fault == "oom" and has_marker:
+            raise torch.OutOfMemoryError("the input holds the marker value (test OOM)")
         if self.fault == "poison" and has_marker:
             os.kill(os.getpid(), signal.SIGKILL)
         if armed:
