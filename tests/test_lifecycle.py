@@ -237,3 +237,17 @@ def test_retries_zero_answers_worker_died_instead_of_retrying():
             os.kill(holder["pid"], signal.SIGKILL)
             with pytest.raises(WorkerDied):
                 future.result(timeout=20)
+
+
+def test_a_worker_stuck_in_forward_dies_with_a_sigkilled_supervisor():
+    # Idle workers notice their parent's pipe close; one stuck in forward polls nothing, so only
+    # the kernel's parent-death signal (PR_SET_PDEATHSIG) can take it down with the supervisor.
+    with Daemon([echo("stuck", delay=120.0)]) as daemon:
+        daemon.wait_ready()
+        (worker,) = daemon.worker_pids()
+        with Client(daemon.endpoint, timeout=200) as client:
+            client.submit("stuck", torch.ones(2))
+            poll_until(lambda: daemon.workers()[0]["inflight"] == 1, 10, message="stuck in forward")
+            os.kill(daemon.process.pid, signal.SIGKILL)
+            daemon.process.wait(30)
+            poll_until(lambda: not alive(worker), 15, message="the stuck worker gone with its parent")
