@@ -10,9 +10,10 @@ The contract:
   ``Authenticator.start()`` binds at ``inproc://zeromq.zap.01`` of the daemon's context. The
   supervisor registers that socket in its poller and calls ``on_request`` when it is readable:
   no thread (pyzmq's ThreadAuthenticator only runs the same handler in one).
-- Fail closed: the handler is bound before any frontend, and every CURVE frontend sets
-  ``ZAP_ENFORCE_DOMAIN``, so a handshake that finds no handler is refused (libzmq's default
-  would admit any key: encryption without authentication).
+- Fail closed. Every CURVE frontend names the ZAP domain ``modelwarden``: libzmq 4.3 does not
+  ask ZAP at all for a socket without a domain (it then admits any client key: encryption
+  without authentication). It also sets ``ZAP_ENFORCE_DOMAIN``, so a handshake that finds no
+  handler is refused rather than admitted; and the handler is bound before any frontend.
 - Keys are read at start; an unreadable or malformed key file or directory is a ConfigError
   naming it (exit 2). SIGHUP reads the client keys again (``reload``); a failure then keeps the
   keys in force and logs an ERROR.
@@ -46,6 +47,7 @@ _pyzmq_log.setLevel(logging.WARNING)
 REFUSAL_LOG_INTERVAL = 60.0  # seconds between two WARNINGs for the same peer
 _REMEMBERED_PEERS = 4096  # beyond this, forget peers not seen for an interval (a scan of keys)
 ZAP_OK = b"200"
+ZAP_DOMAIN = "modelwarden"  # libzmq 4.3 asks ZAP only for sockets that name a domain
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ def make_curve_server(sock: zmq.Socket, keys: ServerKeys) -> None:
     sock.setsockopt(zmq.CURVE_SERVER, 1)
     sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
     sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
@@ -134,7 +137,7 @@ class RefusalLog:
 
 
 class ZapHandler(Authenticator):
-    """pyzmq's Authenticator driven from the supervisor's poll loop; CURVE, any domain."""
+    """pyzmq's Authenticator driven from the supervisor's poll loop; CURVE, domain ``modelwarden``."""
 
     def __init__(self, context: zmq.Context, client_keys: Path, clock: Callable[[], float]) -> None:
         super().__init__(context, log=_pyzmq_log)
@@ -145,9 +148,9 @@ class ZapHandler(Authenticator):
 
     def start(self) -> None:
         """Read the allowed keys (ConfigError if they cannot be), then bind the ZAP socket."""
-        self.certs["*"] = read_client_keys(self.client_keys)
+        self.certs[ZAP_DOMAIN] = read_client_keys(self.client_keys)
         super().start()
-        logger.info("CURVE: %d client key(s) allowed from %s", len(self.certs["*"]), self.client_keys)
+        logger.info("CURVE: %d client key(s) allowed from %s", len(self.certs[ZAP_DOMAIN]), self.client_keys)
 
     def reload(self) -> None:
         """Read the client keys again (SIGHUP); keep the old ones if they cannot be read."""
@@ -155,9 +158,9 @@ class ZapHandler(Authenticator):
             keys = read_client_keys(self.client_keys)
         except ConfigError as exc:
             logger.error("CURVE: client keys not reloaded (%s); the %d key(s) read before stay "
-                         "allowed", exc, len(self.certs["*"]))
+                         "allowed", exc, len(self.certs[ZAP_DOMAIN]))
             return
-        self.certs["*"] = keys
+        self.certs[ZAP_DOMAIN] = keys
         logger.info("CURVE: client keys reloaded: %d key(s) allowed now", len(keys))
 
     def on_request(self) -> None:
