@@ -62,7 +62,7 @@ def make_curve_client(socket: zmq.Socket, keys: ClientKeys) -> None:
 
 
 def _server_public(value: str | os.PathLike) -> bytes:
-    text = os.fspath(value)
+    text = os.path.expanduser(os.fspath(value))
     if not os.path.exists(text) and len(text) == Z85_KEY_LENGTH:
         try:
             z85.decode(text)
@@ -75,6 +75,7 @@ def _server_public(value: str | os.PathLike) -> bytes:
 
 def read_key_file(path: str | os.PathLike) -> tuple[bytes, bytes | None]:
     """(public, secret or None), both z85; ValueError naming the file if it is unusable."""
+    path = os.path.expanduser(path)
     try:
         public, secret = load_certificate(path)
     except (OSError, ValueError) as exc:
