@@ -18,8 +18,8 @@ The contract:
   naming it (exit 2). SIGHUP reads the client keys again (``reload``); a failure then keeps the
   keys in force and logs an ERROR.
 - A refused key is logged at WARNING once per peer (address and key) per minute, so a client
-  retrying every 100 ms does not flood the log. pyzmq's own authenticator log goes to a child
-  logger that shows WARNING and above only: its DEBUG lines describe every handshake.
+  that keeps reconnecting does not flood the log. pyzmq's own authenticator log goes to a
+  child logger that shows WARNING and above only: its DEBUG lines describe every handshake.
 - Not seen here: a client without CURVE (a mechanism mismatch) or with a wrong server key (its
   HELLO does not decrypt) fails in libzmq's handshake before ZAP is asked. It gets no reply,
   and no log line from this module.
