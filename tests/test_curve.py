@@ -309,6 +309,11 @@ def test_sighup_rereads_client_keys_without_a_restart(curve_daemon, keys, tmp_pa
                message="the daemon to reload its client keys")
     with Client(curve_daemon.tcp, timeout=30.0, **bob) as client:
         assert client.infer(MODEL, sample_input()).shape == (8, 10)
+    (keys.allowed / bob_public.name).unlink()  # revoke: the next handshake is refused
+    curve_daemon.process.send_signal(signal.SIGHUP)
+    poll_until(lambda: "client keys reloaded: 1 key(s) allowed now" in curve_daemon.log(),
+               message="the daemon to reload its client keys again")
+    assert_no_answer(Client(curve_daemon.tcp, timeout=1.0, **bob))
     assert curve_daemon.process.pid == pid and curve_daemon.process.poll() is None
 
 

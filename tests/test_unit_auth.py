@@ -1,9 +1,17 @@
 """The refusal log's rate limit (an injected clock) and which tcp endpoints count as exposed."""
 
+import logging
+import shutil
+import subprocess
+import sys
+import time
+
 import pytest
+import zmq
 
 from modelwarden.shared.config import is_exposed_tcp
-from modelwarden.supervisor.auth import RefusalLog
+from modelwarden.supervisor.auth import ZAP_DOMAIN, RefusalLog, ZapHandler
+from tests.helpers import ROOT
 
 
 def test_one_report_per_peer_per_interval():
@@ -31,3 +39,25 @@ def test_a_key_scan_does_not_grow_the_log_without_bound():
     ("tcp://eth0:5555", True), ("tcp://example.com:5555", True), ("ipc:///run/x.sock", False)])
 def test_exposed_tcp(endpoint, exposed):
     assert is_exposed_tcp(endpoint) is exposed
+
+
+def test_a_failed_reload_keeps_the_keys_in_force(tmp_path, caplog):
+    subprocess.run([sys.executable, "-m", "modelwarden", "keygen", str(tmp_path / "a"), "--name", "a"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=60)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    shutil.copy(tmp_path / "a" / "a.key", allowed)
+    context = zmq.Context()
+    handler = ZapHandler(context, allowed, time.monotonic)
+    try:
+        handler.start()
+        (allowed / "broken.key").write_text("no key here\n")
+        with caplog.at_level(logging.INFO, logger="modelwarden.supervisor.auth"):
+            handler.reload()
+        assert len(handler.certs[ZAP_DOMAIN]) == 1
+        assert any(record.levelname == "ERROR" and "broken.key" in record.getMessage()
+                   and "1 key(s) read before stay allowed" in record.getMessage()
+                   for record in caplog.records)
+    finally:
+        handler.stop()
+        context.term()
