@@ -221,7 +221,7 @@ class DaemonConfig(_Strict):
     @field_validator("control")
     @classmethod
     def _control_not_tcp(cls, value: str | None) -> str | None:
-        # Control commands stop and restart the daemon: only the socket file's permissions guard them.
+        # Control commands stop and restart the daemon: only a socket file's permissions guard it.
         if value is not None and not value.startswith("ipc://"):
             raise ValueError(f"the control endpoint must be ipc://PATH, got {value!r}")
         return value

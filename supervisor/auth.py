@@ -150,7 +150,8 @@ class ZapHandler(Authenticator):
         """Read the allowed keys (ConfigError if they cannot be), then bind the ZAP socket."""
         self.certs[ZAP_DOMAIN] = read_client_keys(self.client_keys)
         super().start()
-        logger.info("CURVE: %d client key(s) allowed from %s", len(self.certs[ZAP_DOMAIN]), self.client_keys)
+        logger.info("CURVE: %d client key(s) allowed from %s", len(self.certs[ZAP_DOMAIN]),
+                    self.client_keys)
 
     def reload(self) -> None:
         """Read the client keys again (SIGHUP); keep the old ones if they cannot be read."""
