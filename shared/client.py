@@ -24,6 +24,12 @@ Threads. A Client may be shared by any number of threads: ``infer`` talks over a
 the calling thread, and ``submit`` hands requests to one background I/O thread. An AsyncClient
 belongs to the event loop it is used from.
 
+CURVE. A ``tcp://`` frontend of a daemon with ``[daemon.curve]`` answers only a client that has
+the server's public key and an allowed key pair: ``Client("tcp://host:5555",
+server_key="server.key", client_key="me.key_secret")`` (or MODELWARDEN_SERVER_KEY and
+MODELWARDEN_CLIENT_KEY); see modelwarden.shared.curve. A wrong or missing key gets no answer
+at all, so it shows as a Timeout.
+
 Errors. A failed request raises a subclass of RemoteError whose ``code`` is the protocol's error
 code (``BadInput``, ``ModelError``, ``Timeout``...). A daemon that does not answer within the
 timeout (plus a grace second) raises Timeout too, saying so.
@@ -46,6 +52,7 @@ import zmq.asyncio
 
 from modelwarden.shared import protocol
 from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
                            UnknownModel, WorkerDied, error_from_reply)
@@ -82,11 +89,13 @@ def default_endpoint() -> str:
 class _Connection:
     """One DEALER socket: one connection as the daemon sees it (segments register per connection)."""
 
-    def __init__(self, context: zmq.Context, endpoint: str) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> None:
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            make_curve_client(self.socket, curve)
         self.socket.connect(endpoint)
         self.registered: set[str] = set()
         self.poller = zmq.Poller()
@@ -119,7 +128,7 @@ def _parse_reply(frames: list) -> tuple[dict, list]:
     start = 1 if frames and len(frames[0]) == 0 else 0
     if len(frames) < start + 2 or frames[start].bytes != SIGNATURE:
         raise InternalError("malformed reply from the daemon")
-    return protocol.unpack_header(frames[start + 1].buffer), frames[start + 2:]
+    return protocol.unpack_header(frames[start + 1].buffer, strict=False), frames[start + 2:]
 
 
 def _deadline_error(endpoint: str, timeout: float) -> Timeout:
@@ -127,6 +136,11 @@ def _deadline_error(endpoint: str, timeout: float) -> Timeout:
     if path is not None and not os.path.exists(path):
         return Timeout(f"no daemon at {endpoint}: the socket file does not exist "
                        "(is the daemon running? is this its runtime directory?)")
+    if endpoint.startswith("tcp://"):
+        # A CURVE server drops a handshake with a wrong or missing key without a word.
+        return Timeout(f"no answer from the daemon at {endpoint} within {timeout:.1f}s: if this "
+                       "is a CURVE endpoint, check server_key/client_key (is the daemon running? "
+                       "is it overloaded?)")
     return Timeout(f"no reply from the daemon at {endpoint} within {timeout:.1f}s "
                    "(is it running? is it overloaded?)")
 
@@ -136,9 +150,12 @@ def _deadline_error(endpoint: str, timeout: float) -> Timeout:
 
 class Client:
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0,
-                 shm: bool | None = None, copy_outputs: bool = False) -> None:
+                 shm: bool | None = None, copy_outputs: bool = False,
+                 server_key: str | os.PathLike | None = None,
+                 client_key: str | os.PathLike | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
+        self._curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
         self._context = zmq.Context()
         self._local = threading.local()
@@ -159,7 +176,7 @@ class Client:
         if connection is None:
             if self._closed:
                 raise RuntimeError("the client is closed")
-            connection = _Connection(self._context, self.endpoint)
+            connection = _Connection(self._context, self.endpoint, self._curve)
             self._local.connection = connection
             with self._lock:
                 self._connections.add(connection)
@@ -218,7 +235,7 @@ class Client:
             if self._closed:
                 raise RuntimeError("the client is closed")
             if self._io is None:
-                self._io = _IOThread(self._context, self.endpoint, self._session)
+                self._io = _IOThread(self._context, self.endpoint, self._session, self._curve)
                 self._io.start()
             return self._io.submit(model, inputs, timeout, details)
 
@@ -250,10 +267,12 @@ def _now() -> float:
 class _IOThread(threading.Thread):
     """Owns one connection for ``submit``: callers hand it requests through a deque and a pipe."""
 
-    def __init__(self, context: zmq.Context, endpoint: str, session: Session) -> None:
+    def __init__(self, context: zmq.Context, endpoint: str, session: Session,
+                 curve: ClientKeys | None) -> None:
         super().__init__(name="modelwarden-client-io", daemon=True)
         self.context = context
         self.endpoint = endpoint
+        self.curve = curve
         self.session = session
         self.inbox: collections.deque = collections.deque()
         # request id -> (pending, future, deadline, request to resend once or None, timeout)
@@ -274,7 +293,7 @@ class _IOThread(threading.Thread):
         self.join(5)
 
     def run(self) -> None:
-        connection = _Connection(self.context, self.endpoint)
+        connection = _Connection(self.context, self.endpoint, self.curve)
         poller = zmq.Poller()
         poller.register(connection.socket, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
@@ -361,15 +380,20 @@ class AsyncClient:
     """``await client.infer(model, inputs)`` from one event loop; many requests in flight."""
 
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0,
-                 shm: bool | None = None, copy_outputs: bool = False) -> None:
+                 shm: bool | None = None, copy_outputs: bool = False,
+                 server_key: str | os.PathLike | None = None,
+                 client_key: str | os.PathLike | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.timeout = timeout
+        curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:
+            make_curve_client(self._socket, curve)
         self._socket.connect(self.endpoint)
         self._registered: set[str] = set()
         self._waiting: dict[Any, asyncio.Future] = {}

@@ -11,6 +11,7 @@ directory. An invalid configuration raises ConfigError naming the key path and t
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -27,7 +28,9 @@ from modelwarden.shared.protocol import DTYPES
 ENV_PREFIX = "MODELWARDEN_"
 ENV_CONFIG = "MODELWARDEN_CONFIG"
 ENV_ENDPOINT = "MODELWARDEN_ENDPOINT"
-_NOT_OVERRIDES = {ENV_CONFIG, ENV_ENDPOINT}
+ENV_SERVER_KEY = "MODELWARDEN_SERVER_KEY"
+ENV_CLIENT_KEY = "MODELWARDEN_CLIENT_KEY"
+_NOT_OVERRIDES = {ENV_CONFIG, ENV_ENDPOINT, ENV_SERVER_KEY, ENV_CLIENT_KEY}
 SOURCE_SCHEMES = ("torchscript", "export", "python")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
@@ -177,10 +180,19 @@ class ModelConfig(_Strict):
         return self.device[index] if isinstance(self.device, list) else self.device
 
 
+class CurveConfig(_Strict):
+    """``[daemon.curve]``: every tcp frontend is a CURVE server (see supervisor/auth.py)."""
+
+    server_secret_key: Path  # the server's .key_secret file (``modelwarden keygen``)
+    client_keys: Path  # a directory of allowed clients' public .key files
+
+
 class DaemonConfig(_Strict):
     runtime_dir: Path | None = None
     frontend: list[str] | None = None
     control: str | None = None
+    curve: CurveConfig | None = None
+    allow_plaintext_tcp: bool = False
     backend: str | None = None
     allow_oversubscription: bool = False
     shm: bool = True
@@ -213,11 +225,32 @@ class DaemonConfig(_Strict):
             check_endpoint(endpoint)
         return value
 
+    @field_validator("control")
+    @classmethod
+    def _control_not_tcp(cls, value: str | None) -> str | None:
+        # Control commands stop and restart the daemon: only a socket file's permissions guard it.
+        if value is not None and not value.startswith("ipc://"):
+            raise ValueError(f"the control endpoint must be ipc://PATH, got {value!r}")
+        return value
+
 
 def check_endpoint(endpoint: str) -> str:
     if not re.match(r"^(ipc://.+|tcp://[^:]+:[0-9]+)$", endpoint):
         raise ValueError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
     return endpoint
+
+
+def is_exposed_tcp(endpoint: str) -> bool:
+    """A tcp endpoint reachable from other hosts: anything but 127.0.0.0/8, ::1 and localhost."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:  # "*", an interface name or a host name: assume it is reachable
+        return True
 
 
 class Settings(BaseSettings):
@@ -356,6 +389,7 @@ def load_settings(path: str | Path | None = None) -> Settings:
     finally:
         _CURRENT_PATH.pop("path", None)
     check_files(settings)
+    check_exposure(settings)
     return settings
 
 
@@ -393,6 +427,20 @@ def check_files(settings: Settings) -> None:
             if value is not None and not settings.resolve(value).is_file():
                 raise ConfigError(f"models[{index}].probe.{key} (model {model.name!r})",
                                   f"file {settings.resolve(value)} does not exist")
+
+
+def check_exposure(settings: Settings) -> None:
+    """A frontend other hosts can reach must be CURVE, or plaintext by an explicit choice."""
+    daemon = settings.daemon
+    if daemon.curve is not None or daemon.allow_plaintext_tcp:
+        return
+    for endpoint in settings.frontends:
+        if is_exposed_tcp(endpoint):
+            raise ConfigError("daemon.frontend",
+                              f"{endpoint} is plaintext tcp on a non-loopback address: anyone who "
+                              "reaches it can use every model and read every tensor; configure "
+                              "[daemon.curve] (see 'modelwarden keygen') or set "
+                              "daemon.allow_plaintext_tcp = true")
 
 
 @dataclass

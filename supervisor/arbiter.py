@@ -32,6 +32,7 @@ from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
 from modelwarden.shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
 from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor import auth
 from modelwarden.supervisor.commands import COMMANDS
 from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
 from modelwarden.supervisor.limits import check_message
@@ -82,6 +83,8 @@ class Arbiter:
         self.backend: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
         self.connections: ConnectionGuard | None = None
+        self.server_keys = auth.read_server_keys(settings)  # None: tcp frontends are plaintext
+        self.zap: auth.ZapHandler | None = None
         self._wakeup_read, self._wakeup_write = socket.socketpair()
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
@@ -143,6 +146,7 @@ class Arbiter:
         daemon = self.settings.daemon
         old_umask = os.umask(0o007 if daemon.shm_group else 0o077)
         try:
+            self._start_zap()
             for index, endpoint in enumerate(self.settings.frontends):
                 sock = self._router_socket(endpoint, client_facing=True)
                 self.frontends.append(sock)
@@ -156,6 +160,15 @@ class Arbiter:
             self._on(self.backend, self._on_backend)
         finally:
             os.umask(old_umask)
+        auth.warn_plaintext(self.settings)
+
+    def _start_zap(self) -> None:
+        # Before any frontend binds: a CURVE handshake must never find no handler.
+        if self.server_keys is not None:
+            self.zap = auth.ZapHandler(self.context, self.settings.resolve(
+                self.settings.daemon.curve.client_keys), self.clock)
+            self.zap.start()
+            self._on(self.zap.zap_socket, self.zap.on_request)
 
     def _watch_connections(self, sock: zmq.Socket, endpoint: str, pausable: bool) -> None:
         monitor = self.connections.watch(sock, endpoint, pausable)
@@ -172,6 +185,8 @@ class Arbiter:
         else:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.RCVHWM, 0)
+        if client_facing and self.server_keys is not None and endpoint.startswith("tcp://"):
+            auth.make_curve_server(sock, self.server_keys)
         if endpoint.startswith("ipc://"):
             Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -213,6 +228,8 @@ class Arbiter:
         for sock in (*self.frontends, self.control, self.backend):
             if sock is not None:
                 sock.close()
+        if self.zap is not None:
+            self.zap.stop()
         self.context.term()
         if self._lock is not None:
             self._lock.close()
@@ -233,6 +250,8 @@ class Arbiter:
             if signum in STOP_SIGNALS:
                 self.request_stop(signal.Signals(signum).name)
             elif signum == signal.SIGHUP and not self.stopping:
+                if self.zap is not None:
+                    self.zap.reload()
                 logger.info("SIGHUP: rolling restart of every model")
                 self.restart(None)
 
@@ -331,7 +350,7 @@ class Arbiter:
             logger.warning("dropping a backend message from an unknown or malformed sender")
             return
         try:
-            header = protocol.unpack_header(frames[1].buffer)
+            header = protocol.unpack_header(frames[1].buffer, strict=False)
         except ProtocolError as exc:
             logger.error("%s sent an unreadable header: %s", handle.worker_id, exc.message)
             return

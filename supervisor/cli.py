@@ -69,7 +69,22 @@ def build_parser() -> argparse.ArgumentParser:
                                           "$MODELWARDEN_CONFIG's first ipc frontend, or the "
                                           "local daemon)")
     infer.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
+    infer.add_argument("--server-key", metavar="FILE",
+                       help="tcp with CURVE: the server's public .key file, or its z85 key "
+                            "(default: $MODELWARDEN_SERVER_KEY)")
+    infer.add_argument("--client-key", metavar="FILE",
+                       help="tcp with CURVE: this client's .key_secret file "
+                            "(default: $MODELWARDEN_CLIENT_KEY)")
     infer.set_defaults(func=cmd_infer)
+
+    keygen_help = ("write a CURVE key pair for tcp frontends: DIR/NAME.key (public) and "
+                   "DIR/NAME.key_secret (secret, mode 0600)")
+    keygen = commands.add_parser("keygen", help=keygen_help, description=keygen_help)
+    keygen.add_argument("dir", metavar="DIR", help="where to write the keys (created 0700 if absent)")
+    keygen.add_argument("--name", default="server",
+                        help="file name without extension (default: server); an existing key "
+                             "of that name is never overwritten")
+    keygen.set_defaults(func=cmd_keygen)
     return parser
 
 
@@ -107,11 +122,12 @@ def _settings(args):
 
 def cmd_serve(args) -> int:
     from modelwarden.shared.config import ConfigError, format_cores
-    from modelwarden.supervisor import placement
+    from modelwarden.supervisor import auth, placement
 
     settings = _settings(args)
     try:
         plan = placement.plan(settings)
+        auth.check_keys(settings)
     except ConfigError as exc:
         return _fail(f"config error: {exc}", EXIT_CONFIG)
     if args.check:
@@ -124,6 +140,7 @@ def cmd_serve(args) -> int:
 
 
 def _run_daemon(settings, plan) -> int:
+    from modelwarden.shared.config import ConfigError
     from modelwarden.shared.logs import setup_logging
     from modelwarden.supervisor.arbiter import Arbiter
     from modelwarden.supervisor.runtime import DaemonError
@@ -139,6 +156,8 @@ def _run_daemon(settings, plan) -> int:
         return Arbiter(settings, plan).run()
     except DaemonError as exc:
         return _fail(str(exc), EXIT_RUNTIME)
+    except ConfigError as exc:  # a key file changed since it was checked
+        return _fail(f"config error: {exc}", EXIT_CONFIG)
 
 
 def cmd_control(args) -> int:
@@ -170,9 +189,10 @@ def cmd_infer(args) -> int:
         endpoint = _settings(args).frontends[0]
     inputs = _read_inputs(args.input)
     try:
-        with Client(endpoint, timeout=args.timeout, copy_outputs=True) as client:
+        with Client(endpoint, timeout=args.timeout, copy_outputs=True,
+                    server_key=args.server_key, client_key=args.client_key) as client:
             reply = client.infer(args.model, inputs, details=True)
-    except RemoteError as exc:
+    except (RemoteError, ValueError) as exc:  # ValueError: a key file that cannot be used
         return _fail(str(exc), EXIT_RUNTIME)
     outputs = _leaves(reply.outputs)
     for name, value in outputs.items():
@@ -183,6 +203,33 @@ def cmd_infer(args) -> int:
           f"(queue {reply.timing.get('queue_us')}us, compute {reply.timing.get('compute_us')}us)")
     if args.output:
         _write_outputs(args.output, outputs)
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    import os
+    import re
+    from pathlib import Path
+
+    import zmq.auth
+
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.name) or args.name.startswith("."):
+        return _fail(f"--name {args.name!r}: use letters, digits, '_', '.', '-'", EXIT_CONFIG)
+    directory = Path(args.dir)
+    public, secret = directory / f"{args.name}.key", directory / f"{args.name}.key_secret"
+    existing = [str(path) for path in (public, secret) if path.exists()]
+    if existing:
+        return _fail(f"refusing to overwrite {', '.join(existing)}", EXIT_RUNTIME)
+    old_umask = os.umask(0o077)  # the secret file is 0600 from its first byte, the directory 0700
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        zmq.auth.create_certificates(directory, args.name)
+        public.chmod(0o644)  # public by design: clients and servers exchange it
+    except OSError as exc:
+        return _fail(f"cannot write keys in {directory}: {exc.strerror or exc}", EXIT_RUNTIME)
+    finally:
+        os.umask(old_umask)
+    print(f"public key: {public}\nsecret key: {secret} (mode 0600: give it to no one)")
     return 0
 
 
