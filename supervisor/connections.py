@@ -107,8 +107,12 @@ class Listener:
         self.paused = False
         self._path: Path | None = None
         self._fd: int | None = None
-        if endpoint.startswith("ipc://"):
+        if endpoint.startswith("ipc://@"):
+            logger.warning("%s is an abstract socket (no file to rename): it will not pause "
+                           "under load", endpoint)
+        elif endpoint.startswith("ipc://"):
             self._path = Path(endpoint[len("ipc://"):])
+            self._aside().unlink(missing_ok=True)  # left by a daemon killed while paused
         else:
             self._fd = _listening_fd(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
