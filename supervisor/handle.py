@@ -48,6 +48,7 @@ class ProbeRecord:
     due_at: float = 0.0
     inflight_since: float | None = None
     rid: int | None = None  # the probe in flight; a late answer to an older one is ignored
+    unanswered: bool = False  # a probe timed out: the worker is stuck, replace it
     last_at: float | None = None  # wall-clock time of the last verdict
     last_ok: bool | None = None
     last_reason: str = ""

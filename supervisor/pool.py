@@ -320,9 +320,13 @@ class ModelPool:
         timeout = self.config.probe.timeout
         if probe.inflight_since is not None and now - probe.inflight_since > timeout:
             probe.inflight_since = probe.rid = None
+            probe.unanswered = True
             self.record_probe(handle, Verdict(False, f"no answer in {timeout}s"))
+        if probe.unanswered and not handle.retiring:
             # The worker still holds the probe, so no later probe can reach it to make up the
-            # `failures` count: an unanswered probe means a stuck worker. Replace it now.
+            # `failures` count: an unanswered probe means a stuck worker. Replace it now, or at
+            # the first tick the slot can take a replacement (its previous worker may still be
+            # draining).
             self.replace(handle, f"probe unanswered for {timeout}s")
 
     def _check_memory(self, handle: WorkerHandle, now: float) -> None:

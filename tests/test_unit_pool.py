@@ -529,6 +529,26 @@ def test_an_unanswered_probe_replaces_the_worker_at_once(host):
     assert len(host.launched) == 2 and handle.state == S.READY  # replace before retire
 
 
+def test_an_unanswered_probe_waits_for_the_slot_to_take_a_replacement(host):
+    # The slot's previous worker is still draining when the new one stops answering: the
+    # replacement must come as soon as the slot is free, not never.
+    pool = make_pool(host, probe={"timeout": 2.0})
+    pool.start_all()
+    old = host.launched[0]
+    ready(pool, old)
+    pool.replace(old, "recycled")
+    new = host.launched[1]
+    ready(pool, new)
+    assert old.state == S.DRAINING and pool.slots[0].previous is old
+    new.probe.inflight_since, new.probe.rid = host.now, 78
+    pool._check_probe_timeout(new, host.now + 2.1)
+    assert new.retiring is None and len(host.launched) == 2  # the slot is busy retiring `old`
+    exit_with(pool, old, 0)
+    pool._check_probe_timeout(new, host.now + 2.2)
+    assert new.retiring is not None and "probe unanswered" in new.retiring
+    assert len(host.launched) == 3
+
+
 # -- routing ------------------------------------------------------------------------------------
 
 
