@@ -186,7 +186,6 @@ class DaemonConfig(_Strict):
     shm: bool = True
     shm_threshold: int = Field(default=64 * 1024, ge=0)
     shm_group: str | None = None
-    shm_sweep_interval: float = Field(default=2.0, gt=0)
     max_message_bytes: int = Field(default=2**31)
     graceful_timeout: float = Field(default=30.0, ge=0)
     heartbeat_interval: float = Field(default=0.5, gt=0)

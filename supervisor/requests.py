@@ -29,6 +29,7 @@ class Request:
     dispatched_ns: int = 0
     deaths: int = 0
     done: bool = False
+    buffers: tuple = ()  # the buffer tokens it references: passed to a worker before it runs
 
 
 @dataclass(eq=False, slots=True)

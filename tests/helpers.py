@@ -90,7 +90,7 @@ class Daemon:
         # Short paths: a unix socket path is limited to 107 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
         settings = {"runtime_dir": str(self.dir / "run"), "allow_oversubscription": True,
-                    "heartbeat_interval": 0.2, "shm_sweep_interval": 0.5,
+                    "heartbeat_interval": 0.2,
                     "python_path": [str(ROOT)]}
         settings.update(daemon or {})
         if extra_frontends:
