@@ -16,11 +16,13 @@ This module needs no torch: the worker imports it before torch.
 from __future__ import annotations
 
 import collections
+import ctypes
 import fcntl
 import mmap
 import os
 import stat
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +34,28 @@ MIN_SEGMENT = 64 * 1024
 MEMFD_NAME = "modelwarden"  # shows as "memfd:modelwarden" in /proc/<pid>/fd: for leak checks
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def map_shared(fd: int, size: int, populate: bool = False) -> ctypes.Array:
+    """``size`` bytes of ``fd`` mapped MAP_SHARED, as a ctypes array that unmaps them when the last
+    reference to it (numpy views and tensors over it included) is gone. Unlike ``mmap.mmap``
+    this keeps no duplicate of the descriptor: a mapping costs no descriptor, and a closed
+    descriptor really is closed."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if address in (None, _MAP_FAILED):
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    memory = (ctypes.c_uint8 * size).from_address(address)
+    weakref.finalize(memory, _libc.munmap, address, size)
+    return memory
+
 
 @dataclass(eq=False)
 class Segment:
@@ -40,12 +64,12 @@ class Segment:
 
     size: int
     fd: int
-    mm: mmap.mmap
+    memory: ctypes.Array
     token: str | None = None
     array: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.array = np.frombuffer(self.mm, dtype=np.uint8, count=self.size)
+        self.array = np.frombuffer(self.memory, dtype=np.uint8, count=self.size)
 
     @property
     def address(self) -> int:
@@ -66,11 +90,11 @@ def create_segment(size: int) -> Segment:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         # Page faults on a fresh mapping cost more than the copy we save; pay them once here.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        memory = map_shared(fd, size, populate=True)
     except BaseException:
         os.close(fd)
         raise
-    return Segment(size, fd, mm)
+    return Segment(size, fd, memory)
 
 
 def sealed_size(fd: int) -> int | None:
@@ -90,10 +114,10 @@ def attach_segment(fd: int, size: int, token: str) -> Segment:
     """Map a buffer handed to us and close the descriptor: the mapping keeps the memory alive,
     and a worker holding mappings rather than descriptors cannot run out of descriptors."""
     try:
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        memory = map_shared(fd, size)
     finally:
         os.close(fd)
-    return Segment(size, -1, mm, token)
+    return Segment(size, -1, memory, token)
 
 
 class Region:

@@ -94,7 +94,8 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "uptime_s": round(now - arbiter.started_at, 3),
                        "endpoints": {"frontend": arbiter.settings.frontends,
                                      "control": arbiter.settings.control_endpoint},
-                       "stopping": arbiter.stopping, "pending": len(arbiter.router.pending)},
+                       "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
+                       "buffers": len(arbiter.registry)},
             "models": models, "workers": workers}
 
 

@@ -215,8 +215,43 @@ def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
-def our_segments() -> set[str]:
-    return set(shm.list_segments())
+MEMFD_LINK = f"/memfd:{shm.MEMFD_NAME} (deleted)"
+
+
+def memfd_holders(exclude: tuple[int, ...] = ()) -> dict[int, int]:
+    """pid -> how many modelwarden buffer descriptors (``memfd:modelwarden``) it holds, for
+    every process on the machine but ``exclude``."""
+    holders: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:  # gone
+            continue
+        count = sum(1 for fd in fds if _readlink(f"/proc/{entry}/fd/{fd}") == MEMFD_LINK)
+        if count:
+            holders[int(entry)] = count
+    return holders
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed while we looked
+        return None
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def shmem_kib() -> int:
+    """/proc/meminfo's Shmem: shared memory in use machine-wide, memfds included."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no Shmem in /proc/meminfo")
 
 
 def raw_request(endpoint: str, frames: list[bytes], timeout: float = 10.0) -> dict:
