@@ -140,8 +140,9 @@ class Region:
 
     def release(self) -> None:
         # May run inside the garbage collector, in any thread: only an atomic append here; the
-        # count drops under the arena's lock on its next alloc.
-        self._arena._returned.append(self)
+        # count drops under the arena's lock on its next alloc. A closed arena keeps nothing.
+        if not self._arena.closed:
+            self._arena._returned.append(self)
 
     def bytes_view(self, offset: int, nbytes: int) -> np.ndarray:
         start = self.offset + offset
@@ -166,6 +167,7 @@ class ShmArena:
         self._by_token: dict[str, Segment] = {}
         self._regions: dict[int, Region] = {}
         self._by_address: list[tuple[int, int, Segment]] = []
+        self.closed = False
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -278,6 +280,7 @@ class ShmArena:
         """Close the channel (the daemon revokes every token) and our descriptors; live tensors
         keep their mappings until they are freed."""
         with self._lock:
+            self.closed = True
             if self.channel is not None:
                 self.channel.close()
             for segment in self._segments.values():
@@ -287,3 +290,4 @@ class ShmArena:
             self._regions.clear()
             self._by_address = []
             self._free.clear()
+            self._returned.clear()  # its regions would keep their mappings alive

@@ -89,7 +89,9 @@ def test_oversized_frames_disconnect_the_peer_and_the_daemon_serves_on(daemon):
     {"type": "infer", "id": 1, "model": "x" * 100_000, "inputs": 0, "tensors": []},
     {"type": "infer", "id": 1, "model": "plain", "inputs": 0, "tensors": [{"dtype": "float32"}] * 5000},
     {"type": "infer", "id": "i" * 1000, "model": "plain", "inputs": 0, "tensors": []},
-    {"type": "register", "id": 1, "segments": [["mw.1.1." + "0" * 32, 1]] * 1000},
+    {"type": "infer", "id": 1, "model": "plain", "inputs": list(range(1000)),
+     "tensors": [{"dtype": "float32", "shape": [1], "shm": ["0" * 32, 0, 4]}] * 1000},
+    {"type": "register", "id": 1},  # buffers register on the buffer channel, not here
 ])
 def test_msgpack_limits_and_schema(daemon, header):
     reply = raw_request(daemon.endpoint, [protocol.SIGNATURE, protocol.pack(header)])
