@@ -177,12 +177,24 @@ class BufferChannel:
             if self._sock is None or not tokens:
                 return
             try:
+                self._drop_answers()  # earlier unregisters' answers: never let them pile up
                 for start in range(0, len(tokens), protocol.MAX_BUFFERS_PER_MESSAGE):
                     self._ids += 1
                     send_message(self._sock, {"type": "unregister", "id": self._ids,
                                               "tokens": tokens[start:start + protocol.MAX_BUFFERS_PER_MESSAGE]})
-            except OSError:
+            except (OSError, ProtocolError):
                 self.close()  # the daemon is gone: so are the tokens
+
+    def _drop_answers(self) -> None:
+        while True:
+            try:
+                data, ancdata, _, _ = self._sock.recvmsg(MAX_MESSAGE_BYTES, _FD_SPACE,
+                                                         socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+            except BlockingIOError:
+                return
+            close_all(_fds_of(ancdata))
+            if not data:
+                raise ChannelClosed("end of stream")
 
     def _call(self, message: dict, fds: list[int]) -> dict:
         self._ids += 1

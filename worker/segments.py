@@ -50,8 +50,12 @@ class SegmentMaps:
                 message, fds = fdchannel.receive_message(self.pair)
             except BlockingIOError:
                 return
-            except (OSError, ProtocolError) as exc:  # the supervisor is gone, or a bug
-                logger.error("buffer pair: %s", exc)
+            except ProtocolError as exc:  # a message cut short: its descriptors are closed
+                logger.error("buffer pair: %s", exc.message)
+                continue
+            except OSError:  # the supervisor closed its end: it is gone, and so will we be
+                self.pair.close()
+                self.pair = None
                 return
             self._take(message, fds)
 

@@ -108,6 +108,9 @@ class WorkerServer:
                 return EXIT_ORPHANED
             if pair is not None and pair in events:
                 self.segments.drain()
+                if self.segments.pair is None:  # closed: it would poll readable forever
+                    poller.unregister(pair)
+                    pair = None
             if self.channel.socket in events:
                 code = self._handle(recv_parts(self.channel.socket))
                 if code is not None:
