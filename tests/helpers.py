@@ -243,7 +243,9 @@ def _readlink(path: str) -> str | None:
 
 
 def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+    """Descriptors ``pid`` holds, less the /proc files it reads for a moment (RSS sampling)."""
+    links = [_readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    return sum(1 for link in links if link is not None and not link.startswith("/proc/"))
 
 
 def shmem_kib() -> int:

@@ -311,7 +311,7 @@ def test_a_token_dies_with_the_channel_connection_that_registered_it(daemon):
         poll_until(lambda: not connection.request(infer_on(token, 0, 16))["ok"], 10,
                    message="the token refused")
         assert_rejected(connection.request(infer_on(token, 0, 16)), token, protocol.BUFFER_NOT_REGISTERED)
-        poll_until(lambda: fd_count(supervisor) == before, 10, message="the supervisor's fds back")
+        fds_are(supervisor, before)
         assert supervisor not in memfd_holders()
     finally:
         connection.close()
@@ -387,6 +387,12 @@ def test_tcp_clients_cannot_use_buffers(daemon, buffer):
 # -- hostile channel messages: refused, and every descriptor closed ----------------------------------
 
 
+def fds_are(pid: int, count: int) -> None:
+    """The supervisor opens files for a moment now and then (/proc reads): poll for the count."""
+    poll_until(lambda: fd_count(pid) == count, 10,
+               message=f"{count} descriptors open in {pid} (now {fd_count(pid)})")
+
+
 def unsealed_memfd() -> int:
     fd = os.memfd_create("modelwarden", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 65536)
@@ -437,12 +443,12 @@ def test_descriptors_that_are_not_sealed_memfds_are_refused(daemon, kind):
         assert reply["ok"] is False and reply["error"]["code"] == "BAD_REQUEST", reply
         reply = channel.call({"type": "register"}, [good.fd, bad_fd])  # all or nothing
         assert reply["ok"] is False and "tokens" not in reply, reply
-        assert fd_count(supervisor) == before + 1  # only the channel connection itself
+        fds_are(supervisor, before + 1)  # only the channel connection itself
     finally:
         channel.close()
         os.close(bad_fd)
         good.close()
-    poll_until(lambda: fd_count(supervisor) == before, 10, message="the supervisor's fds back")
+    fds_are(supervisor, before)
 
 
 def test_too_many_descriptors_and_garbage_leak_nothing(daemon):
@@ -463,7 +469,7 @@ def test_too_many_descriptors_and_garbage_leak_nothing(daemon):
         assert reply["ok"] is False and reply["id"] is None, reply
         channel.sock.send(b"x" * 100_000)  # longer than a channel message: MSG_TRUNC
         assert protocol.unpack_header(channel.sock.recv(65536))["ok"] is False
-        assert fd_count(supervisor) == before + 1  # only the channel connection itself
+        fds_are(supervisor, before + 1)  # only the channel connection itself
         for fd in copies:
             os.close(fd)
         (token,) = channel.register(segment.fd)  # the connection still works after all that
@@ -471,7 +477,7 @@ def test_too_many_descriptors_and_garbage_leak_nothing(daemon):
     finally:
         channel.close()
         segment.close()
-    poll_until(lambda: fd_count(supervisor) == before, 10, message="the supervisor's fds back")
+    fds_are(supervisor, before)
     assert_still_serving(daemon)
 
 
@@ -484,13 +490,13 @@ def test_a_connection_may_register_only_so_many_buffers(daemon):
         batch = [segment.fd] * fdchannel.MAX_FDS_PER_MESSAGE
         for _ in range(MAX_BUFFERS_PER_CONNECTION // len(batch)):
             channel.register(*batch)
-        assert fd_count(supervisor) == before + 1 + MAX_BUFFERS_PER_CONNECTION
+        fds_are(supervisor, before + 1 + MAX_BUFFERS_PER_CONNECTION)
         reply = channel.call({"type": "register"}, [segment.fd])
         assert reply["ok"] is False and reply["error"]["code"] == "BAD_REQUEST", reply
     finally:
         channel.close()
         segment.close()
-    poll_until(lambda: fd_count(supervisor) == before, 10, message="every registered fd closed")
+    fds_are(supervisor, before)
 
 
 # -- another user's buffers ----------------------------------------------------------------------------
