@@ -6,7 +6,8 @@ an event on the poller: a client message (frontend ROUTERs), a buffer-channel co
 message (raw Unix sockets, ``supervisor/channel.py``), a worker
 message (backend ROUTER), a control command (control ROUTER), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
-request deadlines, backoff restarts, kill escalation, the health tick -- set the poll timeout, from ``time.monotonic()``. Signal handlers only record; the loop turns
+request deadlines, backoff restarts, kill escalation, the health tick -- set the poll timeout,
+from ``time.monotonic()``. Signal handlers only record; the loop turns
 signals into the same commands the control socket takes.
 """
 
