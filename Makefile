@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-stamp
 TORCH   ?= torch==2.13.0
 CONFIG  ?= examples/modelwarden.toml
 
-.PHONY: install run test test-fast bench soak lint clean
+.PHONY: install run test test-fast bench soak mutants lint clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(PY) bench/soak.py
+
+# Not part of `make test`: breaks each mechanism on purpose and checks its tests fail.
+mutants: $(STAMP)
+	$(PY) bench/mutants.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

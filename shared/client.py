@@ -118,7 +118,7 @@ def _parse_reply(frames: list) -> tuple[dict, list]:
     start = 1 if frames and len(frames[0]) == 0 else 0
     if len(frames) < start + 2 or frames[start].bytes != SIGNATURE:
         raise InternalError("malformed reply from the daemon")
-    return protocol.unpack_header(frames[start + 1].buffer), frames[start + 2:]
+    return protocol.unpack_header(frames[start + 1].buffer, strict=False), frames[start + 2:]
 
 
 def _deadline_error(endpoint: str, timeout: float) -> Timeout:

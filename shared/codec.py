@@ -126,3 +126,13 @@ def check_finite(tensors: list[torch.Tensor]) -> str | None:
             if not bool(torch.isfinite(tensor).all()):
                 return f"tensor {index} holds NaN or Inf"
     return None
+
+
+def check_bool_bytes(tensors: list[torch.Tensor]) -> str | None:
+    """A message naming the first bool tensor holding a byte other than 0 or 1, else None.
+    Such bytes make torch's bool kernels disagree with each other (``x == True`` vs ``x.any()``),
+    so a model would see a value no real bool has."""
+    for index, tensor in enumerate(tensors):
+        if tensor.dtype == torch.bool and tensor.numel() and int(tensor.view(torch.uint8).max()) > 1:
+            return f"tensor {index} is bool but holds a byte other than 0x00 or 0x01"
+    return None

@@ -151,6 +151,22 @@ MAX_INT = (1 << 63) - 1
 
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
+class _MapKeyError(ValueError):
+    """A map key that is not a str, or a key that appears twice in one map."""
+
+
+def _strict_map(pairs: list) -> dict:
+    # msgpack accepts bin keys (b"type" beside "type") and keeps the last of duplicate keys; a
+    # peer could then show one value to a validator and another to a consumer. Refuse both.
+    header = dict(pairs)
+    if len(header) != len(pairs):
+        raise _MapKeyError("a map repeats a key")
+    for key in header:
+        if type(key) is not str:
+            raise _MapKeyError("map keys must be strings")
+    return header
+
+
 _UNPACK_LIMITS = dict(
     max_str_len=MAX_HEADER_BYTES,
     max_bin_len=MAX_ID_BYTES,
@@ -161,6 +177,7 @@ _UNPACK_LIMITS = dict(
     strict_map_key=True,
     use_list=True,
 )
+_STRICT_UNPACK_LIMITS = dict(_UNPACK_LIMITS, object_pairs_hook=_strict_map)
 
 
 # -- error details: machine-readable refinements of a code, for clients to act on -------------
@@ -189,12 +206,18 @@ def pack(header: dict) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
-def unpack_header(buf) -> dict:
-    """Decode one header frame with hard limits; never trusts its size or shape."""
+def unpack_header(buf, strict: bool = True) -> dict:
+    """Decode one header frame with hard limits; never trusts its size or shape.
+
+    ``strict`` also refuses non-str map keys and repeated keys; it costs a Python call per map,
+    so headers a strict parse already accepted (the client header the supervisor forwards to a
+    worker, unchanged) and messages between the daemon's own processes skip it."""
     if len(buf) > MAX_HEADER_BYTES:
         raise bad(f"header frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(buf, **_UNPACK_LIMITS)
+        header = msgpack.unpackb(buf, **(_STRICT_UNPACK_LIMITS if strict else _UNPACK_LIMITS))
+    except _MapKeyError as exc:
+        raise bad(f"header is not acceptable: {exc}") from None
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise bad(f"header is not valid msgpack ({type(exc).__name__})") from None
     if not isinstance(header, dict):
@@ -288,12 +311,19 @@ class TensorDesc(NamedTuple):
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    """prod(shape) * itemsize, refusing anything above MAX_TENSOR_BYTES at every step."""
-    total = DTYPES[dtype]
+    """prod(shape) * itemsize, refusing anything above MAX_TENSOR_BYTES at every step.
+
+    A zero dimension makes the tensor empty but not harmless: ``[0, 2**48, 2**48]`` holds no
+    bytes, yet a worker asked to build it overflows its element count. So the bound is checked
+    on the product of the non-zero dimensions too."""
+    itemsize = DTYPES[dtype]
+    total, extent = itemsize, itemsize
     for dim in shape:
         total *= dim
-        if total > MAX_TENSOR_BYTES:
-            raise bad(f"tensor of shape {list(shape)} and dtype {dtype} exceeds {MAX_TENSOR_BYTES} bytes")
+        extent *= dim or 1
+        if extent > MAX_TENSOR_BYTES:
+            raise bad(f"tensor of shape {list(shape)} and dtype {dtype} exceeds {MAX_TENSOR_BYTES} bytes"
+                      + (" (counting its non-zero dimensions)" if total <= MAX_TENSOR_BYTES else ""))
     return total
 
 

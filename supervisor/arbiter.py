@@ -312,7 +312,7 @@ class Arbiter:
             logger.warning("dropping a backend message from an unknown or malformed sender")
             return
         try:
-            header = protocol.unpack_header(frames[1].buffer)
+            header = protocol.unpack_header(frames[1].buffer, strict=False)
         except ProtocolError as exc:
             logger.error("%s sent an unreadable header: %s", handle.worker_id, exc.message)
             return

@@ -317,9 +317,13 @@ class ModelPool:
 
     def _check_probe_timeout(self, handle: WorkerHandle, now: float) -> None:
         probe = handle.probe
-        if probe.inflight_since is not None and now - probe.inflight_since > self.config.probe.timeout:
+        timeout = self.config.probe.timeout
+        if probe.inflight_since is not None and now - probe.inflight_since > timeout:
             probe.inflight_since = probe.rid = None
-            self.record_probe(handle, Verdict(False, f"no answer in {self.config.probe.timeout}s"))
+            self.record_probe(handle, Verdict(False, f"no answer in {timeout}s"))
+            # The worker still holds the probe, so no later probe can reach it to make up the
+            # `failures` count: an unanswered probe means a stuck worker. Replace it now.
+            self.replace(handle, f"probe unanswered for {timeout}s")
 
     def _check_memory(self, handle: WorkerHandle, now: float) -> None:
         rss = handle.sample_rss(now)

@@ -30,7 +30,11 @@ class Notifier:
             return
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-                sock.sendto(message.encode(), self._address)
+                # Never block the loop: a notify socket nobody reads fills after a few datagrams
+                # (net.unix.max_dgram_qlen), and a blocking send would stop the whole daemon.
+                sock.sendto(message.encode(), socket.MSG_DONTWAIT, self._address)
+        except BlockingIOError:
+            logger.warning("sd_notify dropped a message: the notify socket is full")
         except OSError as exc:
             logger.warning("sd_notify failed: %s", exc)
 

@@ -6,15 +6,18 @@ inputs, that misbehaves in one chosen way once it has served ``after`` calls *in
 
   none        behaves
   raise       raises ValueError when the input holds the marker value 13.0
+  oom         raises torch.OutOfMemoryError when the input holds the marker value 13.0
   poison      SIGKILLs its own process when the input holds the marker 13.0 (kills every worker)
   segfault    faulthandler._sigsegv() in forward
   exit0       os._exit(0) in forward
   hang        never returns from forward (only on batch size ``only_batch`` if given)
+  slow        takes ``delay`` seconds more in forward (only on batch size ``only_batch`` if given)
   leak        keeps ``leak_mb`` MiB more resident memory on every call
   drift       perturbs its weights by ``scale`` (outputs drift from golden)
   flaky_drift perturbed outputs on every other call
   nan         returns NaN
   load_error  raises while loading (the worker exits with code 4)
+  load_hang   never returns from loading (the worker never reports READY)
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 
 class Faulty(nn.Module):
     def __init__(self, fault: str, after: int, only_batch: int | None, leak_mb: int,
-                 scale: float) -> None:
+                 scale: float, delay: float = 0.0) -> None:
         super().__init__()
         self.fault = fault
+        self.delay = delay
         self.after = after
         self.only_batch = only_batch
         self.leak_mb = leak_mb
@@ -59,6 +63,8 @@ class Faulty(nn.Module):
         has_marker = bool((x == MARKER).any())
         if self.fault == "raise" and has_marker:
             raise ValueError("the input holds the marker value")
+        if self.fault == "oom" and has_marker:
+            raise torch.OutOfMemoryError("the input holds the marker value (test OOM)")
         if self.fault == "poison" and has_marker:
             os.kill(os.getpid(), signal.SIGKILL)
         if armed:
@@ -79,6 +85,8 @@ class Faulty(nn.Module):
             stuck = threading.Event()  # never set: a model stuck in forward never returns
             while True:
                 stuck.wait(3600)
+        elif self.fault == "slow":
+            threading.Event().wait(self.delay)  # a slower forward, not a sync point
         elif self.fault == "leak":
             block = bytearray(self.leak_mb * 1024 * 1024)
             block[::4096] = b"x" * len(block[::4096])  # touch every page: make it resident
@@ -89,10 +97,14 @@ class Faulty(nn.Module):
 
 
 def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = None,
-                leak_mb: int = 32, scale: float = 0.5) -> nn.Module:
+                leak_mb: int = 32, scale: float = 0.5, delay: float = 0.0) -> nn.Module:
     if fault == "load_error":
         raise RuntimeError("this model refuses to load (test fault)")
-    return Faulty(fault, after, only_batch, leak_mb, scale)
+    if fault == "load_hang":
+        stuck = threading.Event()  # never set: a load that never finishes
+        while True:
+            stuck.wait(3600)
+    return Faulty(fault, after, only_batch, leak_mb, scale, delay)
 
 
 class Echo(nn.Module):

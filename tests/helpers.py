@@ -20,10 +20,15 @@ from modelwarden.shared import protocol, shm
 ROOT = Path(__file__).resolve().parent.parent
 
 
+class DaemonGone(AssertionError):
+    """The daemon under test exited: no poll for anything else can succeed any more."""
+
+
 def poll_until(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
                message: str = "condition") -> Any:
     """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds.
-    Waiting is done in zmq.Poller with no sockets, not time.sleep: a poll with a deadline."""
+    Waiting is done in zmq.Poller with no sockets, not time.sleep: a poll with a deadline.
+    A DaemonGone fails at once (a crashed daemon must not cost the whole timeout)."""
     deadline = time.monotonic() + timeout
     idle = zmq.Poller()
     last_error: Exception | None = None
@@ -32,6 +37,8 @@ def poll_until(condition: Callable[[], Any], timeout: float = 30.0, interval: fl
             value = condition()
             if value:
                 return value
+        except DaemonGone:
+            raise
         except Exception as exc:  # the condition may race with a restarting daemon
             last_error = exc
         if time.monotonic() > deadline:
@@ -113,12 +120,17 @@ class Daemon:
             cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         return self
 
+    def check_running(self) -> None:
+        if self.process is not None and self.process.poll() is not None:
+            raise DaemonGone(f"daemon exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def status(self, timeout: float = 5.0) -> dict:
         from modelwarden.shared.client import control_request
 
+        self.check_running()
         return control_request(self.control, {"type": "status"}, timeout)["status"]
 
     def command(self, command: str, **fields: Any) -> dict:
@@ -133,8 +145,6 @@ class Daemon:
 
     def wait_ready(self, timeout: float = 90.0, models: list[str] | None = None) -> dict:
         def all_ready():
-            if self.process.poll() is not None:
-                raise AssertionError(f"daemon exited with {self.process.returncode}:\n{self.log()}")
             status = self.status(timeout=2.0)
             wanted = [m for m in status["models"] if models is None or m["name"] in models]
             return status if all(m["ready"] == m["workers"] for m in wanted) else None
@@ -152,7 +162,7 @@ class Daemon:
             return self.process.wait(timeout)
         except subprocess.TimeoutExpired:
             self.process.kill()
-            self.process.wait()
+            self.process.wait(30)
             raise AssertionError(f"daemon did not stop within {timeout}s:\n{self.log()}")
 
     def cleanup(self) -> None:
@@ -274,3 +284,19 @@ def raw_request(endpoint: str, frames: list[bytes], timeout: float = 10.0) -> di
 
 def header_frame(header: dict) -> bytes:
     return protocol.pack(header)
+
+
+def join_within(thread, timeout: float = 120.0) -> None:
+    """Join a test thread, failing (not hanging) if it is still running after ``timeout``."""
+    thread.join(timeout)
+    if thread.is_alive():
+        raise AssertionError(f"thread {thread.name} still running after {timeout}s")
+
+
+def readline_within(stream, timeout: float = 60.0) -> str:
+    """One line from a subprocess pipe, or a failure after ``timeout`` (never a hang)."""
+    idle = zmq.Poller()
+    idle.register(stream.fileno(), zmq.POLLIN)
+    if not idle.poll(int(timeout * 1000)):
+        raise AssertionError(f"no line within {timeout}s")
+    return stream.readline()

@@ -79,5 +79,48 @@ def run_load(endpoint: str, model: str, reference: Callable, clients: int = 4,
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(timeout * max(requests, 1) if stop is None else 600)
+        if thread.is_alive():
+            total.unexpected.append(f"{thread.name} still running: a client hangs")
     return total
+
+
+class CapacitySampler:
+    """Samples a model's READY worker count from the status socket until stopped; a sample that
+    fails is a failure of the test, not a dip to ignore (replace before retire is only proven if
+    every sample was taken).
+
+        with CapacitySampler(daemon, "mlp") as capacity:
+            ...             # replace workers
+        assert capacity.minimum() >= 2
+    """
+
+    def __init__(self, daemon, model: str, every: float = 0.05) -> None:
+        self.daemon = daemon
+        self.model = model
+        self.every = every
+        self.samples: list[int] = []
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            try:
+                models = self.daemon.status(timeout=10)["models"]
+                self.samples.append(next(m["ready"] for m in models if m["name"] == self.model))
+            except Exception as exc:
+                self.failures.append(repr(exc))
+
+    def __enter__(self) -> "CapacitySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def minimum(self) -> int:
+        assert not self.failures, f"capacity samples failed: {self.failures[:3]}"
+        assert self.samples, "no capacity sample was taken"
+        return min(self.samples)

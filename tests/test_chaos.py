@@ -18,8 +18,9 @@ import torch
 
 from modelwarden.shared.client import Client, Poison
 from tests.faulty import MARKER, reference
-from tests.helpers import ROOT, Daemon, alive, faulty_model, memfd_holders, poll_until
-from tests.load import run_load
+from tests.helpers import (ROOT, Daemon, alive, faulty_model, join_within, memfd_holders, poll_until,
+                           readline_within)
+from tests.load import CapacitySampler, run_load
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +66,7 @@ def test_sigkill_storm_under_load_loses_nothing():
                               stop=stop)
         finally:
             stop.set()
-            thread.join()
+            join_within(thread)
         assert len(kills) == 12, kills
         assert counts.sent > 100, counts
         assert_no_request_lost(counts)
@@ -99,6 +100,9 @@ def test_a_hung_probe_is_caught_and_the_worker_replaced():
     # batch 1 is only ever the probe here (clients send 2..5 rows): calls 1-8 are warm-up,
     # baseline and the first probe; the second probe hangs
     model = chaos_model("probehang", "hang", workers=1, after=8, only_batch=1)
+    # Heartbeats may not be what catches it: a hung forward also stops them, so give the
+    # heartbeat check a minute and leave the probe timeout alone to find the hang.
+    model.update(heartbeat_timeout=60.0, drain_timeout=1.0)
     model["probe"] = {"interval": 0.3, "timeout": 1.0}
     with Daemon([model]) as daemon:
         daemon.wait_ready()
@@ -108,6 +112,8 @@ def test_a_hung_probe_is_caught_and_the_worker_replaced():
         counts = run_load(daemon.endpoint, "probehang", reference, clients=2, requests=10,
                           make_input=lambda rng: torch.randn(rng.randint(2, 5), 8))
         assert_no_request_lost(counts)
+        assert "no answer in 1.0s" in daemon.log()
+        assert "no heartbeat" not in daemon.log()
 
 
 def test_poison_input_is_answered_poison_and_the_pool_recovers():
@@ -124,14 +130,6 @@ def test_poison_input_is_answered_poison_and_the_pool_recovers():
         assert_no_request_lost(counts)
 
 
-def sample_ready_counts(daemon: Daemon, stop: threading.Event, seen: list) -> None:
-    while not stop.wait(0.05):
-        try:
-            seen.append(daemon.status()["models"][0]["ready"])
-        except Exception:  # a status timeout under load is not a capacity dip
-            pass
-
-
 @pytest.mark.parametrize("fault", ["drift", "nan"])
 def test_a_drifting_worker_is_replaced_before_it_is_retired(fault):
     model = chaos_model("drifty", fault, workers=1, after=12)
@@ -139,18 +137,12 @@ def test_a_drifting_worker_is_replaced_before_it_is_retired(fault):
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         first = daemon.workers()[0]["pid"]
-        stop, seen = threading.Event(), []
-        sampler = threading.Thread(target=sample_ready_counts, args=(daemon, stop, seen))
-        sampler.start()
-        try:
+        with CapacitySampler(daemon, "drifty") as capacity:
             replaced = poll_until(lambda: next((w for w in daemon.workers()
                                                 if w["pid"] != first and w["state"] == "READY"), None),
                                   90, message="a replacement READY")
             poll_until(lambda: not alive(first), 30, message="the drifting worker gone")
-        finally:
-            stop.set()
-            sampler.join()
-        assert seen and min(seen) >= 1, "capacity dipped during the replacement"
+        assert capacity.minimum() >= 1, "capacity dipped during the replacement"
         assert any("failed probes" in c["cause"] for c in replaced["restart_causes"])
         expected = "NaN" if fault == "nan" else "drifted"
         assert expected in daemon.log()
@@ -171,12 +163,15 @@ def test_a_leaking_worker_is_recycled_past_max_rss():
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         first = daemon.workers()[0]["pid"]
-        counts = run_load(daemon.endpoint, "leaky", reference, clients=1, requests=12)
-        assert_no_request_lost(counts)
-        worker = poll_until(lambda: next((w for w in daemon.workers()
-                                          if w["pid"] != first and w["state"] == "READY"), None),
-                            60, message="a recycled worker")
+        with CapacitySampler(daemon, "leaky") as capacity:
+            counts = run_load(daemon.endpoint, "leaky", reference, clients=1, requests=12)
+            assert_no_request_lost(counts)
+            worker = poll_until(lambda: next((w for w in daemon.workers()
+                                              if w["pid"] != first and w["state"] == "READY"), None),
+                                60, message="a recycled worker")
+            poll_until(lambda: not alive(first), 30, message="the leaking worker gone")
         assert any("max_rss" in c["cause"] for c in worker["restart_causes"])
+        assert capacity.minimum() >= 1, "capacity dipped: retired before it was replaced"
 
 
 ORPHAN_CLIENT = textwrap.dedent("""
@@ -199,14 +194,14 @@ def test_supervisor_sigkill_leaves_no_orphan_and_no_leaked_buffer():
         script = ORPHAN_CLIENT.format(root=str(ROOT), endpoint=daemon.endpoint)
         client = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
-        assert client.stdout.readline().strip() == "ready"
+        assert readline_within(client.stdout).strip() == "ready"
         assert client.pid in memfd_holders() and daemon.process.pid in memfd_holders()
         os.kill(daemon.process.pid, signal.SIGKILL)
-        daemon.process.wait()
+        daemon.process.wait(30)
         for pid in workers:
             poll_until(lambda: not alive(pid), 15, message=f"worker {pid} gone with its supervisor")
         client.kill()  # the client dies too, while no daemon is there
-        client.wait()
+        client.wait(30)
         # nobody is left holding its buffers: the kernel freed them, no sweeper needed
         poll_until(lambda: not memfd_holders(exclude=(os.getpid(),)), 15,
                    message="no buffer descriptor held anywhere")
@@ -218,8 +213,11 @@ def test_restarting_one_worker_leaves_the_others_alone():
     with Daemon([chaos_model("pair", workers=2)]) as daemon:
         daemon.wait_ready()
         before = {w["id"]: w["pid"] for w in daemon.workers()}
-        assert daemon.command("restart", target="pair#1")["restarted"] == ["pair#1"]
-        poll_until(lambda: {w["id"]: w["pid"] for w in daemon.workers("pair", "READY")}.get("pair#1")
-                   not in (None, before["pair#1"]) and len(daemon.workers()) == 2, 60,
-                   message="pair#1 replaced")
+        with CapacitySampler(daemon, "pair") as capacity:
+            assert daemon.command("restart", target="pair#1")["restarted"] == ["pair#1"]
+            poll_until(lambda: {w["id"]: w["pid"] for w in daemon.workers("pair", "READY")}.get("pair#1")
+                       not in (None, before["pair#1"]) and len(daemon.workers()) == 2, 60,
+                       message="pair#1 replaced")
+            poll_until(lambda: not alive(before["pair#1"]), 30, message="the old pair#1 gone")
         assert {w["id"]: w["pid"] for w in daemon.workers()}["pair#0"] == before["pair#0"]
+        assert capacity.minimum() >= 2, "capacity dipped: pair#1 retired before it was replaced"

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from modelwarden.shared import protocol
 from modelwarden.shared.client import BadInput, Client, Overloaded, Timeout
 from tests.faulty import reference
-from tests.helpers import Daemon, faulty_model, poll_until, raw_request
-from tests.load import run_load
+from tests.helpers import Daemon, alive, faulty_model, poll_until, raw_request
+from tests.load import CapacitySampler, run_load
 
 
 def slow_echo(name="slow", delay=1.0, workers=1, **extra):
@@ -40,17 +41,22 @@ def test_a_request_past_its_deadline_gets_timeout(daemon):
 
 
 def test_a_full_queue_answers_overloaded_at_once_and_loses_nothing(daemon):
+    answered: list[int] = []  # futures in the order their answers arrived
     with Client(daemon.endpoint) as client:
         futures = [client.submit("slow", torch.full((4,), float(i)), timeout=30) for i in range(8)]
-        ok = overloaded = 0
+        for index, future in enumerate(futures):
+            future.add_done_callback(lambda _, index=index: answered.append(index))
+        ok, overloaded = [], []
         for i, future in enumerate(futures):
             try:
                 assert torch.equal(future.result(timeout=60), torch.full((4,), float(i)))
-                ok += 1
+                ok.append(i)
             except Overloaded:
-                overloaded += 1
-    assert ok + overloaded == 8
-    assert overloaded >= 1 and ok >= 3  # one running, two queued, the rest turned away
+                overloaded.append(i)
+    # one running, two queued (max_queue = 2), the rest turned away
+    assert ok == [0, 1, 2] and overloaded == [3, 4, 5, 6, 7]
+    # "at once": every refusal came back before the first accepted request (1 s of compute) was done
+    assert sorted(answered[:5]) == overloaded, answered
 
 
 def test_nonfinite_inputs_are_rejected_when_the_model_asks(daemon):
@@ -73,15 +79,25 @@ def test_nonfinite_inputs_are_rejected_when_the_model_asks(daemon):
 def test_oversized_frames_disconnect_the_peer_and_the_daemon_serves_on(daemon):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
     sock.connect(daemon.endpoint)
+    assert next_event(monitor) == zmq.EVENT_CONNECTED
     header = {"type": "infer", "id": 1, "model": "plain", "inputs": 0,
               "tensors": [{"dtype": "float32", "shape": [2, 2**18], "frame": 0}]}
     sock.send_multipart([protocol.SIGNATURE, protocol.pack(header), bytes(2 * 2**20)])
-    assert not sock.poll(1500), "a frame above max_message_bytes must not be accepted"
+    assert next_event(monitor) == zmq.EVENT_DISCONNECTED  # the daemon dropped us
+    assert not sock.poll(0), "a frame above max_message_bytes must not be answered"
+    sock.disable_monitor()
+    monitor.close()
     sock.close()
     x = torch.randn(3, 8)
     with Client(daemon.endpoint) as client:
         torch.testing.assert_close(client.infer("plain", x), reference(x))
+
+
+def next_event(monitor: zmq.Socket, timeout_ms: int = 10_000) -> int:
+    assert monitor.poll(timeout_ms), "no socket event"
+    return recv_monitor_message(monitor)["event"]
 
 
 @pytest.mark.parametrize("header", [
@@ -137,12 +153,15 @@ def test_max_requests_recycles_the_worker_without_failing_anything():
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         first_pid = daemon.workers()[0]["pid"]
-        counts = run_load(daemon.endpoint, "recycled", reference, clients=2, requests=30)
-        assert counts.ok == counts.sent == 60 and counts.wrong == 0, counts
-        worker = poll_until(lambda: next((w for w in daemon.workers()
-                                          if w["state"] == "READY" and w["pid"] != first_pid), None),
-                            60, message="a recycled worker")
+        with CapacitySampler(daemon, "recycled") as capacity:
+            counts = run_load(daemon.endpoint, "recycled", reference, clients=2, requests=30)
+            assert counts.ok == counts.sent == 60 and counts.wrong == 0, counts
+            worker = poll_until(lambda: next((w for w in daemon.workers()
+                                              if w["state"] == "READY" and w["pid"] != first_pid), None),
+                                60, message="a recycled worker")
+            poll_until(lambda: not alive(first_pid), 30, message="the recycled worker gone")
         assert any("max_requests" in cause["cause"] for cause in worker["restart_causes"])
+        assert capacity.minimum() >= 1, "capacity dipped: retired before it was replaced"
 
 
 def probe_files(tmp_path, fault_kwargs):
@@ -156,20 +175,26 @@ def probe_files(tmp_path, fault_kwargs):
 
 def test_a_probe_failing_every_other_time_does_not_replace_the_worker(tmp_path):
     probe = probe_files(tmp_path, {})
-    model = faulty_model("flaky", "flaky_drift", kwargs={"after": 0}, probe=probe)
-    with Daemon([model]) as daemon:
+    flaky = faulty_model("flaky", "flaky_drift", kwargs={"after": 0}, probe=probe)
+    # The control: the same probes, failing every time, do replace a worker. Without it this test
+    # would pass with replacement broken altogether.
+    steady = faulty_model("steady", "flaky_drift", kwargs={"after": 0}, probe={**probe, "failures": 1})
+    with Daemon([flaky, steady]) as daemon:
         daemon.wait_ready()
-        seen = {"fail": 0, "ok": 0}
+        verdicts: dict[float, bool] = {}  # one entry per probe (its verdict's timestamp)
 
         def many_probes():
-            probe = daemon.workers()[0]["probe"]
-            if probe["ok"] is not None:
-                seen["fail" if probe["consecutive_failures"] else "ok"] += 1
-            return seen["fail"] >= 5 and seen["ok"] >= 5
+            probe = daemon.workers("flaky")[0]["probe"]
+            if probe["last_at"] is not None:
+                verdicts[probe["last_at"]] = probe["ok"]
+            outcomes = list(verdicts.values())
+            return outcomes.count(False) >= 5 and outcomes.count(True) >= 5
 
-        poll_until(many_probes, 60, interval=0.1, message="probes failing and passing")
-        worker = daemon.workers()[0]
+        poll_until(many_probes, 60, interval=0.05, message="five probes failing, five passing")
+        worker = daemon.workers("flaky")[0]
         assert worker["restarts"] == 0 and worker["retiring"] is None
+        poll_until(lambda: daemon.workers("steady")[0]["restarts"] >= 1, 60,
+                   message="the control model replaced after one failed probe")
 
 
 def test_restart_command_revives_a_fatal_slot():

@@ -18,8 +18,8 @@ from examples.models import make_mlp
 from modelwarden.shared import protocol
 from modelwarden.shared.client import BadInput, BadRequest, Client, UnknownModel
 from modelwarden.shared.config import format_cores
-from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame, mlp_model,
-                           poll_until, raw_request)
+from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame,
+                           join_within, mlp_model, poll_until, raw_request)
 
 REFERENCE = make_mlp(hidden=32).requires_grad_(False)
 
@@ -72,7 +72,7 @@ def test_concurrent_clients_get_the_models_answers_from_both_workers(daemon):
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        join_within(thread)
     assert not errors, errors
     served = {w["id"]: w["requests"] - before[w["id"]] for w in daemon.workers("mlp")}
     assert sum(served.values()) == 400
@@ -93,7 +93,7 @@ def test_one_client_shared_by_threads_and_futures(daemon):
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join()
+            join_within(thread)
     for x, y, z in zip(inputs, results, threaded):
         torch.testing.assert_close(y, REFERENCE(x))
         torch.testing.assert_close(z, REFERENCE(x))
@@ -138,7 +138,6 @@ def test_workers_are_pinned_to_disjoint_cores_with_their_thread_count(daemon):
     for worker in workers:
         assert cpus_allowed(worker["pid"]) == format_cores(worker["cores"])
         assert worker["threads"] == 1 and worker["interop_threads"] == 1
-        assert len(worker["threads"] if isinstance(worker["threads"], list) else [1]) == 1
         sets.append(set(worker["cores"]))
     assert not sets[0] & sets[1], sets
     assert "modelwarden: worker mlp#0 cpu[" in cmdline(workers[0]["pid"])
@@ -202,6 +201,14 @@ BAD_MESSAGES = {
                                                       "frame": 0}]), bytes(256)), protocol.BAD_REQUEST),
     "huge dims": (frames_for(infer_header(tensors=[{"dtype": "float32", "shape": [2**62, 2**62],
                                                    "frame": 0}]), bytes(4)), protocol.BAD_REQUEST),
+    "zero-size with huge dims": (frames_for(infer_header(tensors=[{"dtype": "float32", "shape": [0, 2**48, 2**48],
+                                                              "frame": 0}]), b""), protocol.BAD_REQUEST),
+    "bin map keys": (frames_for({b"type": "infer", "id": 1, "model": "mlp", "inputs": 0,
+                                 "tensors": [{"dtype": "float32", "shape": [1, 64], "frame": 0}]},
+                                bytes(256)), protocol.BAD_REQUEST),
+    "duplicate map keys": ([protocol.SIGNATURE, b"\x86" + b"".join(protocol.pack(item) for item in (
+        "type", "infer", "id", 1, "model", "nosuch", "inputs", 0, "model", "mlp",
+        "tensors", [{"dtype": "float32", "shape": [1, 64], "frame": 0}])), bytes(256)], protocol.BAD_REQUEST),
     "tree reuses a tensor": (frames_for(infer_header(inputs=[0, 0]), bytes(256)), protocol.BAD_REQUEST),
     "bool id": (frames_for(infer_header(id=True), bytes(256)), protocol.BAD_REQUEST),
     "wrong declared shape": (frames_for(infer_header(tensors=[{"dtype": "float32", "shape": [1, 63],
@@ -249,7 +256,9 @@ def test_client_errors_are_typed(daemon):
             client.infer("mlp", {"y": torch.randn(1, 64)})
         with pytest.raises(TypeError):
             client.infer("mlp", "not a tensor")
-        assert isinstance(BadInput("x"), BadRequest.__mro__[1])  # every error is a RemoteError
+        with pytest.raises(BadRequest) as info:  # the daemon's own verdict, carried by the type
+            client.infer("mlp", torch.zeros(0, 2**25, 2**25, dtype=torch.uint8))
+        assert info.value.code == "BAD_REQUEST" and "exceeds" in info.value.message
 
 
 def test_sigkill_of_a_worker_is_replaced_on_the_same_cores(daemon):
@@ -329,17 +338,20 @@ def test_a_threads_socket_goes_with_the_thread(daemon):
         for _ in range(5):
             thread = threading.Thread(target=use)
             thread.start()
-            thread.join()
+            join_within(thread)
         gc.collect()
         assert len(client._connections) == 0  # five threads came and went: no socket left
 
 
 def test_submit_then_close_resolves_every_future(daemon):
     client = Client(daemon.endpoint)
-    futures = [client.submit("mlp", torch.randn(2, 64)) for _ in range(50)]
+    inputs = [torch.randn(2, 64) for _ in range(50)]
+    futures = [client.submit("mlp", x) for x in inputs]
     client.close()
-    for future in futures:  # each is either done or failed: none hangs
-        try:
-            future.result(timeout=10)
-        except RuntimeError as exc:
-            assert "closed" in str(exc)
+    assert all(future.done() for future in futures)  # close() resolved every one, none left waiting
+    for x, future in zip(inputs, futures):  # each is a right answer or says the client closed
+        error = future.exception(timeout=0)
+        if error is None:
+            torch.testing.assert_close(future.result(timeout=0), REFERENCE(x))
+        else:
+            assert isinstance(error, RuntimeError) and "closed" in str(error), error

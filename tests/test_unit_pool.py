@@ -513,6 +513,22 @@ def test_probe_failures_threshold_comes_from_config(host):
     assert handle.retiring is not None and len(host.launched) == 2
 
 
+def test_an_unanswered_probe_replaces_the_worker_at_once(host):
+    # A stuck worker still holds its probe, so no second probe could ever count as a failure:
+    # the timeout alone must start the replacement, whatever `failures` says.
+    pool = make_pool(host, probe={"timeout": 2.0, "failures": 3})
+    pool.start_all()
+    handle = host.launched[0]
+    ready(pool, handle)
+    handle.probe.inflight_since, handle.probe.rid = host.now, 77
+    pool._check_probe_timeout(handle, host.now + 1.9)
+    assert handle.retiring is None and len(host.launched) == 1
+    pool._check_probe_timeout(handle, host.now + 2.1)
+    assert handle.probe.consecutive_failures == 1 and handle.probe.rid is None
+    assert handle.retiring is not None and "probe unanswered" in handle.retiring
+    assert len(host.launched) == 2 and handle.state == S.READY  # replace before retire
+
+
 # -- routing ------------------------------------------------------------------------------------
 
 

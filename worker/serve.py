@@ -38,9 +38,10 @@ import torch
 import zmq
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import check_finite, dtype_name, flatten, from_bytes, raw_bytes, unflatten
+from modelwarden.shared.codec import (check_bool_bytes, check_finite, dtype_name, flatten, from_bytes,
+                                      raw_bytes, unflatten)
 from modelwarden.shared.config import WorkerSpec
-from modelwarden.shared.protocol import BAD_INPUT, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
+from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
 from modelwarden.shared.shm import ALIGN, Segment
 from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.states import EXIT_OK, EXIT_ORPHANED
@@ -122,7 +123,7 @@ class WorkerServer:
 
     def _handle(self, frames: list) -> int | None:
         try:
-            header = protocol.unpack_header(frames[0].buffer)
+            header = protocol.unpack_header(frames[0].buffer, strict=False)
         except ProtocolError as exc:
             logger.error("dropping a malformed message from the supervisor: %s", exc.message)
             return None
@@ -168,7 +169,8 @@ class WorkerServer:
         self.served += 1
 
     def _decode(self, frames: list):
-        request = protocol.parse_infer(protocol.unpack_header(frames[0].buffer), len(frames) - 1)
+        request = protocol.parse_infer(protocol.unpack_header(frames[0].buffer, strict=False),
+                                       len(frames) - 1)
         payload = frames[1:]
         protocol.frame_lengths_match(request.tensors, payload)
         tensors, sources = [], []
@@ -179,6 +181,9 @@ class WorkerServer:
             segment, tensor = self.segments.tensor(desc)
             sources.append(segment)
             tensors.append(tensor)
+        problem = check_bool_bytes(tensors)
+        if problem:
+            raise ProtocolError(BAD_REQUEST, problem)
         if self.spec.model.reject_nonfinite:
             problem = check_finite(tensors)
             if problem:

@@ -1,0 +1,266 @@
+"""``make mutants``: break each mechanism on purpose and check that the tests named after it fail.
+
+Each mutation replaces one exact piece of product code (it must occur exactly once) in a
+temporary copy of the tree, then runs the tests that claim to guard that mechanism against the
+copy. "caught" means those tests failed. A mutation whose text no longer matches the code is
+reported as STALE: when you change a mechanism, update its mutation in the same commit; when you
+add one, add its mutation.
+
+The copy is importable as ``modelwarden`` through PYTHONPATH (its ``modelwarden/`` folder gains
+links to ``supervisor/``, ``worker/`` and ``shared/``), which takes precedence over the editable
+install, in the test process, the daemon it starts and the daemon's spawned workers alike.
+
+    python bench/mutants.py               # all; exit 1 if any mutation survives or is stale
+    python bench/mutants.py --list
+    python bench/mutants.py probe-timeout retire-first
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+M = Mutation
+MUTATIONS = [
+    # -- health checks and replacement ---------------------------------------------------------
+    M("probe-timeout", "supervisor/pool.py",
+      "if probe.inflight_since is not None and now - probe.inflight_since > timeout:", "if False:",
+      ("tests/test_chaos.py::test_a_hung_probe_is_caught_and_the_worker_replaced",
+       "tests/test_unit_pool.py::test_an_unanswered_probe_replaces_the_worker_at_once")),
+    M("retire-first", "supervisor/pool.py",
+      "        slot.restarts += 1\n        self.spawn(slot)\n        return True",
+      "        slot.restarts += 1\n        self.spawn(slot)\n        self.drain(handle, reason)\n        return True",
+      ("tests/test_chaos.py::test_a_leaking_worker_is_recycled_past_max_rss",
+       "tests/test_reliability.py::test_max_requests_recycles_the_worker_without_failing_anything",
+       "tests/test_chaos.py::test_restarting_one_worker_leaves_the_others_alone",
+       "tests/test_lifecycle.py::test_sighup_replaces_every_worker_before_retiring_it")),
+    M("heartbeat-timeout", "supervisor/pool.py",
+      "elif handle.state in (S.READY, S.DRAINING) and now - handle.last_seen > config.heartbeat_timeout:",
+      "elif False:",
+      ("tests/test_chaos.py::test_a_hung_forward_is_killed_and_its_request_retried",)),
+    M("start-timeout", "supervisor/pool.py",
+      "if handle.state in BOOTING and now - handle.started_at > config.start_timeout:", "if False:",
+      ("tests/test_lifecycle.py::test_start_timeout_kills_a_worker_that_never_gets_ready",)),
+    M("drain-timeout", "supervisor/pool.py",
+      "elif handle.state == S.DRAINING and handle.drain_deadline and now > handle.drain_deadline:",
+      "elif False:",
+      ("tests/test_lifecycle.py::test_drain_timeout_kills_a_draining_worker_and_its_request_is_retried",)),
+    M("max-rss", "supervisor/pool.py",
+      "if self.config.max_rss and rss and rss > self.config.max_rss:", "if False:",
+      ("tests/test_chaos.py::test_a_leaking_worker_is_recycled_past_max_rss",)),
+    M("probe-drift", "supervisor/probes.py",
+      'return Verdict(False, f"drifted from golden by {drift:.3g}", drift)',
+      'return Verdict(True, "ok", drift)',
+      ("tests/test_chaos.py::test_a_drifting_worker_is_replaced_before_it_is_retired",)),
+    M("probe-latency", "supervisor/probes.py",
+      "if baseline_us is not None and self._too_slow(latency_us, baseline_us):", "if False:",
+      ("tests/test_lifecycle.py::test_a_probe_slower_than_its_baseline_fails_and_the_worker_is_replaced",)),
+    M("probe-failures-in-a-row", "supervisor/pool.py",
+      "        if verdict.ok:\n            probe.consecutive_failures = 0\n            return",
+      "        if verdict.ok:\n            return",
+      ("tests/test_reliability.py::test_a_probe_failing_every_other_time_does_not_replace_the_worker",)),
+    M("start-failures-fatal", "supervisor/pool.py",
+      "if slot.start_failures >= self.config.max_start_failures:", "if False:",
+      ("tests/test_load_failure.py",)),
+    M("pdeathsig", "worker/placement.py",
+      "libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)", "pass",
+      ("tests/test_lifecycle.py::test_a_worker_stuck_in_forward_dies_with_a_sigkilled_supervisor",)),
+    # -- requests: retries, queueing, deadlines --------------------------------------------------
+    M("retry-after-crash", "supervisor/requests.py",
+      "    if request.deaths > retries:\n        return WORKER_DIED\n    return None",
+      "    return WORKER_DIED",
+      ("tests/test_chaos.py::test_a_worker_dying_in_forward_is_hidden_by_the_retry",)),
+    M("retries-zero", "supervisor/requests.py",
+      "    if request.deaths > retries:\n        return WORKER_DIED", "    if False:\n        return WORKER_DIED",
+      ("tests/test_lifecycle.py::test_retries_zero_answers_worker_died_instead_of_retrying",)),
+    M("poison", "supervisor/requests.py",
+      "    if request.deaths >= POISON_AFTER_DEATHS:\n        return POISON",
+      "    if False:\n        return POISON",
+      ("tests/test_chaos.py::test_poison_input_is_answered_poison_and_the_pool_recovers",)),
+    M("queue-while-restarting", "supervisor/router.py",
+      "            if pool.all_fatal():", "            if pool.ready_count() == 0:",
+      ("tests/test_reliability.py::test_requests_wait_for_a_worker_while_every_worker_restarts",)),
+    M("overloaded", "supervisor/router.py",
+      "if len(pool.queue) >= pool.config.max_queue:", "if False:",
+      ("tests/test_reliability.py::test_a_full_queue_answers_overloaded_at_once_and_loses_nothing",)),
+    M("timeout", "supervisor/router.py",
+      "request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)",
+      "request.timer = None",
+      ("tests/test_reliability.py::test_a_request_past_its_deadline_gets_timeout",)),
+    # -- stopping --------------------------------------------------------------------------------
+    M("sigterm-drain", "supervisor/arbiter.py",
+      "self._stop_deadline = now + self.settings.daemon.graceful_timeout", "self._stop_deadline = now",
+      ("tests/test_lifecycle.py::test_sigterm_serves_what_was_accepted_refuses_new_work_and_exits_zero",)),
+    M("second-signal", "supervisor/arbiter.py",
+      'logger.warning("%s again: stopping now", reason)\n            self._stop_deadline = now',
+      'logger.warning("%s again: stopping now", reason)',
+      ("tests/test_lifecycle.py::test_a_second_signal_stops_at_once_and_answers_everything",)),
+    M("graceful-timeout", "supervisor/arbiter.py",
+      "if self._stop_deadline is not None and now >= self._stop_deadline:", "if False:",
+      ("tests/test_lifecycle.py::test_graceful_timeout_bounds_the_drain",)),
+    M("shutting-down", "supervisor/router.py",
+      "            if arbiter.stopping:\n", "            if False:\n",
+      ("tests/test_lifecycle.py::test_sigterm_serves_what_was_accepted_refuses_new_work_and_exits_zero",)),
+    # -- systemd and logs --------------------------------------------------------------------
+    M("watchdog", "supervisor/systemd.py",
+      'self.notify("WATCHDOG=1")', 'self.notify("STATUS=alive")',
+      ("tests/test_lifecycle.py::test_watchdog_pings_reach_notify_socket",)),
+    M("notify-never-blocks", "supervisor/systemd.py",
+      "sock.sendto(message.encode(), socket.MSG_DONTWAIT, self._address)",
+      "sock.sendto(message.encode(), self._address)",
+      ("tests/test_lifecycle.py::test_a_notify_socket_nobody_reads_does_not_stop_the_daemon",)),
+    M("json-logs", "shared/logs.py",
+      'JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT)',
+      "logging.Formatter(TEXT_FORMAT)",
+      ("tests/test_lifecycle.py::test_json_logs_are_one_object_a_line_from_every_process",)),
+    # -- the wire: one per error code --------------------------------------------------------
+    M("bad-request-frame-length", "shared/protocol.py",
+      "if desc.frame is not None and len(payload[desc.frame]) != desc.nbytes:", "if False:",
+      ("tests/test_serving.py::test_malformed_messages_get_typed_errors_and_the_daemon_serves_on",)),
+    M("bad-request-map-keys", "shared/protocol.py",
+      "    if len(header) != len(pairs):\n        raise _MapKeyError", "    if False:\n        raise _MapKeyError",
+      ("tests/test_serving.py::test_malformed_messages_get_typed_errors_and_the_daemon_serves_on",)),
+    M("bad-request-bool-bytes", "worker/serve.py",
+      "        problem = check_bool_bytes(tensors)\n", "        problem = None\n",
+      ("tests/test_wire_edges.py",)),
+    M("bad-input", "supervisor/router.py",
+      "check_declared(parsed.tree, parsed.tensors, pool.config.inputs)", "pass",
+      ("tests/test_serving.py::test_client_errors_are_typed",)),
+    M("unknown-model", "supervisor/router.py",
+      'raise ProtocolError(UNKNOWN_MODEL, f"no model named', 'raise ProtocolError(NO_WORKER, f"no model named',
+      ("tests/test_serving.py::test_client_errors_are_typed",)),
+    M("no-worker", "supervisor/router.py",
+      "            if pool.all_fatal():\n", "            if False:\n",
+      ("tests/test_load_failure.py",)),
+    M("model-error", "worker/serve.py",
+      'reply = _failure(rid, MODEL_ERROR, f"{type(exc).__name__}: {exc}")',
+      'reply = _failure(rid, "INTERNAL", f"{type(exc).__name__}: {exc}")',
+      ("tests/test_error_codes.py",)),
+    M("out-of-memory", "worker/serve.py",
+      "except (torch.OutOfMemoryError, MemoryError) as exc:", "except MemoryError as exc:",
+      ("tests/test_error_codes.py",)),
+    # -- shared memory as capabilities -----------------------------------------------------------
+    M("buffer-region-check", "supervisor/buffers.py",
+      "        token, offset, nbytes = region\n", "        return\n        token, offset, nbytes = region\n",
+      ("tests/test_shm.py::test_out_of_bounds_descriptors_are_rejected",
+       "tests/test_unit_buffers.py::test_check_refuses_unknown_tokens_and_regions_outside_without_echoing_the_token")),
+    M("buffer-revoke-on-close", "supervisor/buffers.py",
+      "        return self._revoke(list(peer.tokens))", "        return []",
+      ("tests/test_shm.py::test_a_token_dies_with_the_channel_connection_that_registered_it",)),
+    M("buffer-seals", "shared/shm.py", "or not seals & REQUIRED_SEALS", "",
+      ("tests/test_shm.py::test_descriptors_that_are_not_sealed_memfds_are_refused",)),
+    M("buffer-truncated-message-fds", "shared/fdchannel.py",
+      "        close_all(fds)\n        raise bad(", "        raise bad(",
+      ("tests/test_shm.py::test_too_many_descriptors_and_garbage_leak_nothing",)),
+    M("buffer-worker-closes-fd", "shared/shm.py",
+      "    finally:\n        os.close(fd)\n    return Segment(size, -1, memory, token)",
+      "    finally:\n        pass\n    return Segment(size, -1, memory, token)",
+      ("tests/test_shm.py::test_valid_raw_shm_request_is_served",)),
+    M("buffer-forget", "supervisor/arbiter.py",
+      "        if not tokens:\n            return\n        revoked", "        return\n        revoked",
+      ("tests/test_shm.py::test_no_leaks_after_sigkill_of_a_client_a_worker_and_the_supervisor",)),
+    M("buffer-token-logged", "supervisor/channel.py",
+      "            tokens = self.registry.register(peer, fds)  # owns the fds from here on\n",
+      "            tokens = self.registry.register(peer, fds)  # owns the fds from here on\n"
+      "            logger.info('registered %s', tokens)\n",
+      ("tests/test_shm.py::test_another_users_token_is_known_only_to_whoever_it_was_given_to",)),
+    M("buffer-revoked-while-queued", "supervisor/router.py", "        if None in buffers:", "        if False:",
+      ("tests/test_shm.py::test_a_queued_request_whose_token_is_revoked_is_answered_buffer_not_registered",)),
+    M("buffer-client-renews", "shared/session.py",
+      "        if self.arena is not None:\n            self.arena.renew(pending.tokens)", "        pass",
+      ("tests/test_shm.py::test_clients_survive_a_daemon_restart",)),
+]
+
+
+def copy_tree(destination: Path) -> None:
+    """The tree as git sees it (tracked and untracked, ignored files left out)."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            target = destination / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+    for role in ("supervisor", "worker", "shared"):
+        (destination / "modelwarden" / role).symlink_to(destination / role, target_is_directory=True)
+
+
+def run_one(mutation: Mutation, timeout: float) -> tuple[str, float, str]:
+    with tempfile.TemporaryDirectory(prefix="mw-mutant-") as scratch:
+        tree = Path(scratch)
+        copy_tree(tree)
+        target = tree / mutation.path
+        code = target.read_text()
+        if code.count(mutation.old) != 1:
+            return "STALE", 0.0, f"{mutation.path}: the text to mutate occurs {code.count(mutation.old)} times"
+        target.write_text(code.replace(mutation.old, mutation.new))
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        where = subprocess.run([sys.executable, "-c", "import modelwarden.supervisor as s; print(s.__file__)"],
+                               cwd=tree, env=env, capture_output=True, text=True)
+        if not where.stdout.startswith(str(tree)):
+            return "ERROR", 0.0, f"the copy is not what gets imported: {where.stdout or where.stderr}"
+        started = time.monotonic()
+        try:
+            result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                                     *mutation.tests], cwd=tree, env=env, capture_output=True,
+                                    text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return "caught (timeout)", time.monotonic() - started, ""
+        elapsed = time.monotonic() - started
+        last = (result.stdout.strip().splitlines() or [""])[-1]
+        if result.returncode == 1:
+            return "caught", elapsed, last
+        if result.returncode == 0:
+            return "SURVIVED", elapsed, last
+        return "ERROR", elapsed, f"pytest exit {result.returncode}: {last}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Break each mechanism on purpose; its tests must fail.")
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = set(args.names) - {m.name for m in MUTATIONS}
+    if unknown:
+        parser.error(f"unknown mutations: {', '.join(sorted(unknown))}")
+    if args.list:
+        for mutation in chosen:
+            print(f"{mutation.name:28} {mutation.path:24} {' '.join(mutation.tests)}")
+        return 0
+    print(f"{'mutation':28} {'verdict':18} {'seconds':>7}  tests")
+    bad = 0
+    for mutation in chosen:
+        verdict, elapsed, detail = run_one(mutation, args.timeout)
+        bad += not verdict.startswith("caught")
+        tests = ", ".join(test.split("::")[-1] if "::" in test else test for test in mutation.tests)
+        print(f"{mutation.name:28} {verdict:18} {elapsed:7.1f}  {tests}", flush=True)
+        if not verdict.startswith("caught"):
+            print(f"    {detail}", flush=True)
+    print(f"\n{len(chosen) - bad} of {len(chosen)} mutations caught")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

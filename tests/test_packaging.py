@@ -1,0 +1,124 @@
+"""Our code is ours: the wheel installs one import name, ``modelwarden``, so other distributions
+that own the generic names ``supervisor`` (supervisord) and ``shared`` (a PyPI project) can be
+installed beside it, and removed again, without replacing or deleting any of our files.
+
+The test builds the real wheel, installs it into a fresh virtualenv beside both of them (from
+PyPI), and serves a model from that virtualenv. The fresh virtualenv borrows torch and the other
+dependencies from this one through a path entry (a ``.pth`` line is a plain path: the editable
+install's finder in this virtualenv is not activated by it), so nothing of the source tree is
+importable there but through the wheel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, poll_until, render_config
+
+pytestmark = pytest.mark.slow
+
+
+def run(command: list, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    build = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                 "--disable-pip-version-check", "-q", "-w", str(out), str(ROOT)])
+    assert build.returncode == 0, build.stderr
+    (path,) = out.glob("modelwarden-*.whl")
+    return path
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, wheel) -> Path:
+    """A fresh virtualenv with supervisord and PyPI's ``shared`` installed beside our wheel."""
+    root = tmp_path_factory.mktemp("venv") / "venv"
+    assert run([sys.executable, "-m", "venv", str(root)]).returncode == 0
+    python = root / "bin" / "python"
+    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    ours = run([*pip, "--no-deps", str(wheel)])
+    assert ours.returncode == 0, ours.stderr
+    theirs = run([*pip, "supervisor==4.*", "shared"])
+    if theirs.returncode != 0:
+        pytest.skip(f"PyPI not reachable to fetch supervisor and shared: {theirs.stderr[-300:]}")
+    site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    borrowed = sysconfig.get_paths()["purelib"]  # torch, pyzmq, msgpack... of the test's venv
+    (Path(site.stdout.strip()) / "zz_borrowed_dependencies.pth").write_text(borrowed + "\n")
+    return root
+
+
+def python_in(venv: Path, code: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return run([str(venv / "bin" / "python"), "-c", code], cwd=cwd, env=env)
+
+
+def test_the_wheel_holds_only_the_modelwarden_import_name(wheel):
+    with zipfile.ZipFile(wheel) as archive:
+        tops = {name.split("/")[0] for name in archive.namelist()}
+    assert tops == {"modelwarden", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    for module in ("modelwarden/__init__.py", "modelwarden/supervisor/arbiter.py",
+                   "modelwarden/worker/main.py", "modelwarden/shared/client.py"):
+        assert module in names
+
+
+def test_modelwarden_supervisord_and_pypi_shared_live_side_by_side(venv, tmp_path):
+    code = (
+        "import modelwarden, modelwarden.supervisor.arbiter, modelwarden.worker.serve\n"
+        "from modelwarden import Client, AsyncClient, RemoteError, BadInput\n"
+        "import supervisor.supervisord, shared\n"
+        "assert '/venv/' in modelwarden.__file__, modelwarden.__file__\n"
+        "assert '/venv/' in shared.__file__ and 'modelwarden' not in shared.__file__\n"
+        "print(supervisor.supervisord.__file__)\n"
+    )
+    result = python_in(venv, code, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "/venv/" in result.stdout
+    version = run([str(venv / "bin" / "modelwarden"), "--version"], cwd=tmp_path)
+    assert version.returncode == 0 and "0." in version.stdout + version.stderr
+
+
+def test_serving_from_the_wheel_survives_uninstalling_supervisord(venv, tmp_path):
+    gone = run([str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", "supervisor"])
+    assert gone.returncode == 0, gone.stderr
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(ROOT / "examples" / "models.py", models / "tinymodels.py")
+    config = tmp_path / "modelwarden.toml"
+    config.write_text(render_config(
+        {"runtime_dir": str(tmp_path / "run"), "python_path": [str(models)]},
+        [{"name": "mlp", "source": "python:tinymodels:make_mlp", "kwargs": {"hidden": 8},
+          "workers": 1, "cores_per_worker": 1, "threads": 1, "warmup": 1,
+          "inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 64]}]}]))
+    env = {key: value for key, value in os.environ.items()
+           if key != "PYTHONPATH" and not key.startswith("MODELWARDEN_")}
+    daemon = subprocess.Popen([str(venv / "bin" / "modelwarden"), "serve", "--config", str(config)],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        client_code = (
+            "import torch\n"
+            "from modelwarden import Client\n"
+            f"with Client('ipc://{tmp_path / 'run' / 'frontend.sock'}', timeout=5) as client:\n"
+            "    print(tuple(client.infer('mlp', torch.randn(3, 64)).shape))\n"
+        )
+
+        def served() -> bool:
+            result = python_in(venv, client_code, tmp_path)
+            return result.returncode == 0 and "(3, 10)" in result.stdout
+
+        poll_until(served, timeout=90, interval=0.5, message="the wheel's daemon serving mlp")
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
