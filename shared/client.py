@@ -15,7 +15,9 @@ tensor once into a reused buffer, and a tensor made by ``client.empty()`` is sen
 at all. Outputs of that size come back as tensors *over shared memory* (no copy): they stay
 valid for as long as you hold them, and their buffer is reused only after they are freed. Pass
 ``copy_outputs=True`` for ordinary tensors instead. Over ``tcp://`` everything travels inline:
-same API, same results.
+same API, same results. The buffers are sealed memfds, registered once each on the daemon's buffer
+channel (one Unix connection per client, ``shared/fdchannel.py``); after a daemon restart they are
+registered again on the next request that needs them.
 
 Do not modify an input tensor while its request is in flight (after ``submit`` returns and
 before its future is done): the worker may be reading it in place.
