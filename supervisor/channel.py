@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from modelwarden.shared import fdchannel
-from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError, bad, error_header, request_id_of
+from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, ProtocolError, bad, error_header,
+                                         request_id_of)
 from modelwarden.supervisor.buffers import BufferRegistry, Peer
 from modelwarden.supervisor.runtime import DaemonError, share_with_group
 
@@ -106,6 +107,10 @@ class ChannelServer:
         except ProtocolError as exc:
             fdchannel.close_all(fds)
             answer = error_header(request_id, exc.code, exc.message)
+        except Exception:  # a bug: the registry never took these descriptors; do not leak them
+            logger.exception("buffer channel: error handling a message from %s", peer)
+            fdchannel.close_all(fds)
+            answer = error_header(request_id, INTERNAL, "internal error; see the daemon's log")
         self._answer(conn, answer)
 
     def _handle(self, peer: Peer, message: dict | None, fds: list[int], request_id) -> dict:
