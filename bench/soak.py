@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faulty import reference  # noqa: E402
-from tests.helpers import Daemon, faulty_model, our_segments  # noqa: E402
+from tests.helpers import Daemon, faulty_model, memfd_holders  # noqa: E402
 from tests.load import run_load  # noqa: E402
 
 
@@ -41,7 +41,6 @@ def main() -> int:
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "soak.json"))
     args = parser.parse_args()
 
-    baseline = our_segments()
     model = faulty_model("soak", workers=args.workers, start_seconds=0.5, timeout=120.0,
                          heartbeat_timeout=5.0, backoff_initial=0.1, max_start_failures=50)
     with Daemon([model], daemon={"shm_threshold": 4096}) as daemon:
@@ -79,10 +78,10 @@ def main() -> int:
         for thread in threads:
             thread.join()
         status = daemon.status()
-    leaked = sorted(our_segments() - baseline)
+    leaked = memfd_holders(exclude=(os.getpid(),))  # pid -> buffer descriptors still held
     report = {"minutes": round(elapsed / 60, 2), "kills": len(kills), "sent": counts.sent,
               "ok": counts.ok, "wrong": counts.wrong, "errors": dict(counts.errors),
-              "unexpected": counts.unexpected[:10], "leaked_segments": len(leaked),
+              "unexpected": counts.unexpected[:10], "leaked_buffer_holders": len(leaked),
               "restarts": sum(w["restarts"] for w in status["workers"])}
     print(json.dumps(report, indent=2))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

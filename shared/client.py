@@ -15,7 +15,9 @@ tensor once into a reused buffer, and a tensor made by ``client.empty()`` is sen
 at all. Outputs of that size come back as tensors *over shared memory* (no copy): they stay
 valid for as long as you hold them, and their buffer is reused only after they are freed. Pass
 ``copy_outputs=True`` for ordinary tensors instead. Over ``tcp://`` everything travels inline:
-same API, same results.
+same API, same results. The buffers are sealed memfds, registered once each on the daemon's buffer
+channel (one Unix connection per client, ``shared/fdchannel.py``); after a daemon restart they are
+registered again on the next request that needs them.
 
 Do not modify an input tensor while its request is in flight (after ``submit`` returns and
 before its future is done): the worker may be reading it in place.
@@ -87,7 +89,7 @@ def default_endpoint() -> str:
 
 
 class _Connection:
-    """One DEALER socket: one connection as the daemon sees it (segments register per connection)."""
+    """One DEALER socket: one connection as the daemon sees it."""
 
     def __init__(self, context: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> None:
         self.socket = context.socket(zmq.DEALER)
@@ -97,7 +99,6 @@ class _Connection:
         if curve is not None:
             make_curve_client(self.socket, curve)
         self.socket.connect(endpoint)
-        self.registered: set[str] = set()
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
 
@@ -201,15 +202,14 @@ class Client:
         self.hello()
         connection = self._connection()
         for attempt in range(2):
-            messages, pending = self._session.build(model, inputs, timeout, connection.registered,
-                                                    details)
+            messages, pending = self._session.build(model, inputs, timeout, details)
             try:
                 connection.send(messages)
                 header, frames = self._await(connection, pending.id, timeout + GRACE_S)
             except BaseException:
                 self._session.discard(pending)
                 raise
-            if attempt == 0 and self._session.forgotten(header, pending, connection.registered):
+            if attempt == 0 and self._session.forgotten(header, pending):
                 continue
             return self._session.decode(pending, header, frames)
         raise AssertionError("unreachable: the second attempt always returns")
@@ -223,8 +223,7 @@ class Client:
             header, frames = reply
             if header.get("id") == request_id:
                 return header, frames
-            # Anything else is a registration's answer (a failed one makes the request itself
-            # fail and say why) or a stale reply to a request we stopped waiting for: dropped.
+            # Anything else is a stale reply to a request we stopped waiting for: dropped.
 
     def submit(self, model: str, inputs: Any, timeout: float | None = None,
                details: bool = False) -> concurrent.futures.Future:
@@ -337,8 +336,7 @@ class _IOThread(threading.Thread):
     def _send(self, connection: _Connection, request: tuple, future, first: bool) -> None:
         model, inputs, timeout, details = request
         try:
-            messages, pending = self.session.build(model, inputs, timeout, connection.registered,
-                                                   details)
+            messages, pending = self.session.build(model, inputs, timeout, details)
             connection.send(messages)
         except BaseException as exc:
             future.set_exception(exc)
@@ -354,9 +352,9 @@ class _IOThread(threading.Thread):
             return
         entry = self.waiting.pop(header.get("id"), None)
         if entry is None:
-            return  # a registration's answer, or a reply we stopped waiting for
+            return  # a reply we stopped waiting for
         pending, future, _, request, _ = entry
-        if request is not None and self.session.forgotten(header, pending, connection.registered):
+        if request is not None and self.session.forgotten(header, pending):
             self._send(connection, request, future, first=False)
             return
         try:
@@ -395,7 +393,6 @@ class AsyncClient:
         if curve is not None:
             make_curve_client(self._socket, curve)
         self._socket.connect(self.endpoint)
-        self._registered: set[str] = set()
         self._waiting: dict[Any, asyncio.Future] = {}
         self._reader: asyncio.Task | None = None
 
@@ -420,13 +417,13 @@ class AsyncClient:
         timeout = self.timeout if timeout is None else timeout
         await self.hello()
         for attempt in range(2):
-            messages, pending = self._session.build(model, inputs, timeout, self._registered, details)
+            messages, pending = self._session.build(model, inputs, timeout, details)
             try:
                 header, frames = await self._roundtrip(pending.id, messages, timeout + GRACE_S)
             except BaseException:
                 self._session.discard(pending)
                 raise
-            if attempt == 0 and self._session.forgotten(header, pending, self._registered):
+            if attempt == 0 and self._session.forgotten(header, pending):
                 continue
             return self._session.decode(pending, header, frames)
         raise AssertionError("unreachable: the second attempt always returns")

@@ -198,7 +198,6 @@ class DaemonConfig(_Strict):
     shm: bool = True
     shm_threshold: int = Field(default=64 * 1024, ge=0)
     shm_group: str | None = None
-    shm_sweep_interval: float = Field(default=2.0, gt=0)
     max_message_bytes: int = Field(default=256 * 1024**2, ge=1)
     max_connections: int | None = Field(default=None, ge=1)
     max_request_bytes_per_connection: int = Field(default=512 * 1024**2, ge=1)

@@ -26,15 +26,10 @@ the client, echoed in the reply; a client drops replies whose id it no longer wa
     {"type": "infer", "id": 7, "model": "mlp",
      "inputs": TREE, "tensors": [DESC, ...],
      "timeout_ms": 5000,                 # optional; the model's default otherwise
-     "out": ["mw.123.456.<hex>", 0, 1048576]}   # optional shared-memory region for outputs
+     "out": [TOKEN, 0, 1048576]}         # optional shared-memory region for outputs
 
-``hello``: ask what the daemon offers (protocol version, models, shared-memory settings).
-
-``register`` / ``unregister``: declare shared-memory segments this client created, per connection::
-
-    {"type": "register", "id": 1, "segments": [["mw.123.456.<hex>", 67108864]],
-     "session": "<32 hex>"}     # optional: lets this client's other connections register them too
-    {"type": "unregister", "id": 2, "segments": ["mw.123.456.<hex>"]}
+``hello``: ask what the daemon offers (protocol version, models, shared memory: whether it is
+enabled, the size threshold, and ``channel``, the path of the buffer channel).
 
 On the control endpoint: ``status``, ``restart`` (``{"target": "mlp"}`` or a worker id) and
 ``stop``.
@@ -48,26 +43,24 @@ MAX_TREE_DEPTH levels and MAX_TENSORS tensors. Every tensor is used exactly once
 DESC describes one tensor; exactly one of ``frame`` and ``shm`` is present::
 
     {"dtype": "float32", "shape": [2, 64], "frame": 0}
-    {"dtype": "float32", "shape": [4096, 4096], "shm": [SEGMENT, OFFSET, NBYTES]}
+    {"dtype": "float32", "shape": [4096, 4096], "shm": [TOKEN, OFFSET, NBYTES]}
 
 ``dtype`` is a key of DTYPES. ``shape`` lists non-negative ints (``[]`` is a 0-d scalar). Bytes
 are C-contiguous, little-endian; bool is one byte 0/1; bfloat16 is the upper half of a float32.
 An inline tensor's frame holds exactly ``prod(shape) * itemsize`` bytes; the inline descriptors
-number their frames 0, 1, 2... in order. A shared-memory tensor lies at ``OFFSET`` in the POSIX
-shared-memory object ``SEGMENT`` (``/dev/shm/SEGMENT`` on Linux) and ``NBYTES`` equals
-``prod(shape) * itemsize``.
+number their frames 0, 1, 2... in order. A shared-memory tensor lies at ``OFFSET`` in the
+buffer that ``TOKEN`` names, and ``NBYTES`` equals ``prod(shape) * itemsize``.
 
 Shared memory
 =============
-Only clients create segments. A segment name matches SEGMENT_NAME_RE: ``mw.<pid>.<start>.<32 hex>``
-where ``pid`` and ``start`` (the process start time in clock ticks, field 22 of
-``/proc/<pid>/stat``) name the creating process; the daemon unlinks segments whose creator is
-gone. Segments are created mode 0600 (0660 when the daemon shares a group). A request may only
-reference segments registered on the same connection, inside their registered size; a segment
-belongs to the client that registered it first (its connection, or its secret ``session`` key). The worker
-maps the segment, reads inputs in place and writes outputs once: into the request's ``out``
-region when they fit, otherwise inline. An output that *is* (a view of) an input comes back
-as a descriptor into that input's region, as it would be in-process.
+Only on ``ipc://`` frontends. A buffer is a sealed memfd the client registered on the buffer
+channel (``shared/fdchannel.py`` specifies it); the channel answered a TOKEN (32 lowercase hex
+digits) for it. A token is a capability: any connection presenting it may use the buffer, while
+the channel connection that registered it stays open. Regions are checked against the buffer's
+size before any worker sees them. The worker maps the buffer, reads inputs in place and writes
+outputs once: into the request's ``out`` region when they fit, otherwise inline. An output that
+*is* (a view of) an input comes back as a descriptor into that input's region, as it would be
+in-process.
 
 Reply
 =====
@@ -80,9 +73,9 @@ Failure (no payload frames)::
 
     {"id": 7, "ok": false, "error": {"code": "BAD_INPUT", "message": "..."}}
 
-An error may carry ``"detail"``: ``"segment_not_registered"`` means a descriptor named a segment
-this connection has not registered (for instance after the daemon restarted): register it and
-send the request again.
+An error may carry ``"detail"``: ``"buffer_not_registered"`` means a descriptor named a token the
+daemon does not know, or no longer honours (its channel connection closed, for instance because
+the daemon restarted): register the buffers again on a new channel connection and resend.
 
 ``id`` is null when the request's header could not be read. Every accepted request gets
 exactly one reply. Error codes are ERROR_CODES below.
@@ -114,7 +107,7 @@ SHUTTING_DOWN = "SHUTTING_DOWN"
 INTERNAL = "INTERNAL"
 
 ERROR_CODES: dict[str, str] = {
-    BAD_REQUEST: "the message is malformed: framing, header schema, descriptors, segments",
+    BAD_REQUEST: "the message is malformed: framing, header schema, descriptors, buffers",
     BAD_INPUT: "well formed, but the tensors disagree with the model's declared inputs, "
     "or hold NaN/Inf where the model rejects them",
     UNKNOWN_MODEL: "no model of that name is configured",
@@ -152,12 +145,11 @@ MAX_NAME_BYTES = 256
 MAX_TENSORS = 1024
 MAX_DIMS = 32
 MAX_TREE_DEPTH = 16
-MAX_SEGMENTS_PER_MESSAGE = 256
+MAX_BUFFERS_PER_MESSAGE = 256
 MAX_TENSOR_BYTES = 1 << 48  # no machine has this much memory; keeps all arithmetic small
 MAX_INT = (1 << 63) - 1
 
-SEGMENT_PREFIX = "mw."
-SEGMENT_NAME_RE = re.compile(r"^mw\.([1-9][0-9]{0,9})\.([0-9]{1,20})\.([0-9a-f]{32})\Z")
+TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
 class _MapKeyError(ValueError):
     """A map key that is not a str, or a key that appears twice in one map."""
@@ -189,12 +181,12 @@ _STRICT_UNPACK_LIMITS = dict(_UNPACK_LIMITS, object_pairs_hook=_strict_map)
 
 
 # -- error details: machine-readable refinements of a code, for clients to act on -------------
-SEGMENT_NOT_REGISTERED = "segment_not_registered"  # register it on this connection, then resend
+BUFFER_NOT_REGISTERED = "buffer_not_registered"  # register the buffers again, then resend
 
 
 class ProtocolError(Exception):
     """A message we cannot accept; ``code`` is one of ERROR_CODES, ``detail`` an optional
-    refinement a client can act on (SEGMENT_NOT_REGISTERED)."""
+    refinement a client can act on (BUFFER_NOT_REGISTERED)."""
 
     def __init__(self, code: str, message: str, detail: str | None = None) -> None:
         super().__init__(message)
@@ -315,7 +307,7 @@ class TensorDesc(NamedTuple):
     shape: tuple[int, ...]
     nbytes: int
     frame: int | None = None
-    shm: tuple[str, int, int] | None = None  # (segment, offset, nbytes)
+    shm: tuple[str, int, int] | None = None  # (token, offset, nbytes)
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -341,20 +333,20 @@ def parse_shape(value: Any, what: str) -> tuple[int, ...]:
     return tuple(require_uint(dim, f"{what}: every dimension", MAX_TENSOR_BYTES) for dim in value)
 
 
-def parse_segment_name(value: Any, what: str) -> str:
-    # The message never echoes the name: errors about segments must not leak names (Triton CVEs).
-    if not isinstance(value, str) or not SEGMENT_NAME_RE.match(value):
-        raise bad(f"{what}: segment name is not a modelwarden client segment")
+def parse_token(value: Any, what: str) -> str:
+    # The message never echoes the value: a token is a secret (Triton's CVEs leaked names).
+    if not isinstance(value, str) or not TOKEN_RE.fullmatch(value):
+        raise bad(f"{what}: a buffer token is 32 lowercase hex digits")
     return value
 
 
 def parse_region(value: Any, what: str) -> tuple[str, int, int]:
     if not isinstance(value, list) or len(value) != 3:
-        raise bad(f"{what}: a region is [segment, offset, nbytes]")
-    name = parse_segment_name(value[0], what)
+        raise bad(f"{what}: a region is [token, offset, nbytes]")
+    token = parse_token(value[0], what)
     offset = require_uint(value[1], f"{what}: offset")
     nbytes = require_uint(value[2], f"{what}: nbytes")
-    return name, offset, nbytes
+    return token, offset, nbytes
 
 
 def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
@@ -431,11 +423,12 @@ class InferRequest:
     timeout_ms: int | None
     out: tuple[str, int, int] | None
 
-    def segments(self) -> set[str]:
-        names = {desc.shm[0] for desc in self.tensors if desc.shm is not None}
+    def buffers(self) -> set[str]:
+        """The tokens this request references."""
+        tokens = {desc.shm[0] for desc in self.tensors if desc.shm is not None}
         if self.out is not None:
-            names.add(self.out[0])
-        return names
+            tokens.add(self.out[0])
+        return tokens
 
 
 def parse_infer(header: dict, n_frames: int) -> InferRequest:
@@ -454,39 +447,6 @@ def parse_infer(header: dict, n_frames: int) -> InferRequest:
     if out is not None:
         out = parse_region(out, "'out'")
     return InferRequest(rid, model, header.get("inputs"), tensors, timeout_ms, out)
-
-
-def parse_segment_list(header: dict, with_sizes: bool) -> list:
-    items = header.get("segments")
-    if not isinstance(items, list) or not 0 < len(items) <= MAX_SEGMENTS_PER_MESSAGE:
-        raise bad(f"'segments' must list 1 to {MAX_SEGMENTS_PER_MESSAGE} segments")
-    if not with_sizes:
-        return [parse_segment_name(item, "segment") for item in items]
-    parsed = []
-    for item in items:
-        if not isinstance(item, list) or len(item) != 2:
-            raise bad("register: each segment is [name, size]")
-        parsed.append((parse_segment_name(item[0], "segment"), require_uint(item[1], "segment size")))
-    return parsed
-
-
-def parse_session(header: dict) -> str | None:
-    """A register message's optional session key: 32 hex digits a client keeps secret, so its
-    other connections (one per thread) may register the same segments."""
-    session = header.get("session")
-    if session is None:
-        return None
-    if not isinstance(session, str) or not re.fullmatch(r"[0-9a-f]{32}", session):
-        raise bad("'session' must be 32 lowercase hex digits")
-    return session
-
-
-def segment_owner(name: str) -> tuple[int, int]:
-    """(pid, start time in clock ticks) of the process that created a segment."""
-    match = SEGMENT_NAME_RE.match(name)
-    if match is None:
-        raise bad("segment name is not a modelwarden client segment")
-    return int(match.group(1)), int(match.group(2))
 
 
 def frame_lengths_match(tensors: list[TensorDesc], payload: list) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import secrets
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from modelwarden.shared import protocol
 from modelwarden.shared.codec import as_tensor, dtype_name, flatten, from_bytes, raw_bytes, to_numpy, unflatten
 from modelwarden.shared.errors import InternalError, Timeout, error_from_reply
+from modelwarden.shared.fdchannel import BufferChannel
 from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.shared.shm import ALIGN, Region, ShmArena
 
@@ -42,7 +42,7 @@ class Pending:
     details: bool
     keep: list  # input tensors: their memory may be read in place until the reply
     regions: list[Region] = field(default_factory=list)  # leases this request holds
-    segments: list = field(default_factory=list)  # every segment it references
+    tokens: set = field(default_factory=set)  # every buffer token it references
 
 
 class Session:
@@ -57,7 +57,6 @@ class Session:
         self.arena: ShmArena | None = None
         self.threshold = 1 << 62
         self.ids = itertools.count(1)
-        self.session_key = secrets.token_hex(16)  # proves to the daemon that our threads are us
         self.out_guess: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -69,7 +68,7 @@ class Session:
             shm = offer.get("shm") or {}
             if self.want_shm and shm.get("enabled"):
                 self.threshold = int(shm.get("threshold", 64 * 1024))
-                self.arena = ShmArena(group=shm.get("group"))
+                self.arena = ShmArena(BufferChannel(shm["channel"]))
 
     def hello_message(self) -> tuple[int, list]:
         request_id = next(self.ids)
@@ -77,9 +76,9 @@ class Session:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def build(self, model: str, inputs: Any, timeout: float, registered: set[str],
+    def build(self, model: str, inputs: Any, timeout: float,
               details: bool = False) -> tuple[list[list], Pending]:
-        """The messages to send (registrations first, then the request) and its pending record."""
+        """The messages to send (just the request) and its pending record."""
         leaves: list = []
         tree = flatten(inputs, leaves)
         numpy_out = bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
@@ -97,9 +96,7 @@ class Session:
                   "tensors": descs, "timeout_ms": int(timeout * 1000)}
         if out is not None:
             header["out"] = out
-        messages = self._registrations(pending, registered)
-        messages.append([SIGNATURE, protocol.pack(header), *frames])
-        return messages, pending
+        return [[SIGNATURE, protocol.pack(header), *frames]], pending
 
     def _describe(self, tensor: torch.Tensor, frames: list, pending: Pending) -> dict:
         dtype = dtype_name(tensor.dtype)
@@ -110,15 +107,15 @@ class Session:
             where = tensor.is_contiguous() and tensor.device.type == "cpu" and arena.locate(
                 tensor.data_ptr(), nbytes)
             if where:  # made by empty(): zero copies
-                desc["shm"] = [where[0].name, where[1], nbytes]
-                pending.segments.append(where[0])
+                desc["shm"] = [where[0].token, where[1], nbytes]
+                pending.tokens.add(where[0].token)
                 return desc
             region = arena.alloc(nbytes)
             pending.regions.append(region)
-            pending.segments.append(region.segment)
+            pending.tokens.add(region.segment.token)
             staging = from_bytes(region.bytes_view(0, nbytes), dtype, tuple(tensor.shape))
             staging.copy_(tensor)
-            desc["shm"] = [region.segment.name, region.offset, nbytes]
+            desc["shm"] = [region.segment.token, region.offset, nbytes]
             return desc
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             tensor = tensor.detach().to("cpu").contiguous()
@@ -138,31 +135,20 @@ class Session:
             return None
         region = self.arena.alloc(guess)
         pending.regions.append(region)
-        pending.segments.append(region.segment)
-        return [region.segment.name, region.offset, region.capacity]
-
-    def _registrations(self, pending: Pending, registered: set[str]) -> list[list]:
-        """A register message for the segments this connection has not declared yet; sent just
-        before the request on the same socket, so the daemon sees it first (no round trip)."""
-        new = {segment.name: segment.size for segment in pending.segments
-               if segment.name not in registered}
-        if not new:
-            return []
-        registered.update(new)
-        header = {"type": "register", "id": f"register-{next(self.ids)}", "session": self.session_key,
-                  "segments": [[name, size] for name, size in new.items()]}
-        return [[SIGNATURE, protocol.pack(header)]]
+        pending.tokens.add(region.segment.token)
+        return [region.segment.token, region.offset, region.capacity]
 
     # -- replies ----------------------------------------------------------------------------
 
-    def forgotten(self, header: dict, pending: Pending, registered: set[str]) -> bool:
-        """True if the daemon no longer knows this connection's segments (it restarted, or the
-        socket reconnected): the caller registers them again and resends, once."""
+    def forgotten(self, header: dict, pending: Pending) -> bool:
+        """True if the daemon no longer honours this request's buffer tokens (it restarted, so
+        the channel died): the buffers are registered again here and the caller resends, once."""
         error = header.get("error") or {}
-        if header.get("ok") or error.get("detail") != protocol.SEGMENT_NOT_REGISTERED:
+        if header.get("ok") or error.get("detail") != protocol.BUFFER_NOT_REGISTERED:
             return False
         self.release(pending)
-        registered.clear()
+        if self.arena is not None:
+            self.arena.renew(pending.tokens)
         return True
 
     def decode(self, pending: Pending, header: dict, frames: list) -> Any:
@@ -188,15 +174,15 @@ class Session:
         if "frame" in desc:
             tensor = from_bytes(frames[desc["frame"]].buffer, dtype, shape)
             return tensor.clone() if self.copy_outputs else tensor
-        name, offset, nbytes = desc["shm"]
-        segment = self.arena.segment(name) if self.arena else None
+        token, offset, nbytes = desc["shm"]
+        segment = self.arena.segment(token) if self.arena else None
         if segment is None:
-            raise InternalError("the daemon returned a segment this client does not own")
+            raise InternalError("the daemon returned a buffer this client does not own")
         view = segment.array[offset:offset + nbytes]
         tensor = from_bytes(view, dtype, shape)
         if self.copy_outputs:
             return tensor.clone()
-        region = self.arena.region_of(name)
+        region = self.arena.region_of(token)
         region.retain()
         weakref.finalize(view, region.release)  # the region is reused once the tensor is freed
         return tensor

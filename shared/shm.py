@@ -1,176 +1,123 @@
-"""POSIX shared-memory segments: naming, creation, attachment, ownership and clean-up.
+"""Shared-memory buffers: anonymous, sealed, passed as file descriptors, never named.
 
-We do not use ``multiprocessing.shared_memory``: on Python 3.11 its resource tracker unlinks a
-segment when *any* process that merely attached to it exits (CPython gh-82300), which would let a
-worker destroy a client's buffer. Here only the creator unlinks, or the daemon's sweeper once the
-creator is gone. A segment's name carries its creator's pid and start time
-(``mw.<pid>.<start>.<128 random bits>``) so the sweeper can tell a live owner from a dead one
-without any registry that could itself leak.
+A buffer is a memfd (``memfd_create``): it lives in no directory, so nobody can list, open, squat
+or unlink it; a process reaches it only by being handed its descriptor. It is sealed against
+shrinking and growing once sized, so a mapping of it can never fault past the end (no SIGBUS from
+a client truncating it under a worker) and its size is checked once, at registration. Its memory
+lives until the last process holding a descriptor or a mapping of it lets go: a client that dies
+takes nothing with it that its kernel does not free.
 
-This module needs no torch: the daemon imports it to sweep.
+The client registers each buffer on the daemon's buffer channel (``shared/fdchannel.py``) right
+after creating it, and names it in requests by the token it got back.
+
+This module needs no torch: the worker imports it before torch.
 """
 
 from __future__ import annotations
 
 import collections
-import errno
-import grp
+import ctypes
+import fcntl
 import mmap
 import os
-import secrets
 import stat
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from modelwarden.shared.protocol import SEGMENT_NAME_RE, SEGMENT_PREFIX
+from modelwarden.shared.fdchannel import BufferChannel, ChannelClosed
 
-SHM_DIR = "/dev/shm"
 ALIGN = 64  # cache-line alignment for every region we hand out
 MIN_SEGMENT = 64 * 1024
+MEMFD_NAME = "modelwarden"  # shows as "memfd:modelwarden" in /proc/<pid>/fd: for leak checks
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat: when the process started, in clock ticks since boot."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            data = handle.read()
-    except OSError:
-        return None
-    # comm (field 2) may hold spaces and parentheses: fields resume after the last ')'.
-    fields = data[data.rfind(b")") + 2:].split()
-    return int(fields[19]) if len(fields) > 19 else None
-
-
-_SELF: dict[str, tuple[int, int]] = {}
-
-
-def _self_identity() -> tuple[int, int]:
-    pid = os.getpid()
-    cached = _SELF.get("id")
-    if cached is None or cached[0] != pid:
-        cached = (pid, process_start_ticks(pid) or 0)
-        _SELF["id"] = cached
-    return cached
-
-
-def new_segment_name() -> str:
-    pid, start = _self_identity()
-    return f"{SEGMENT_PREFIX}{pid}.{start}.{secrets.token_hex(16)}"
-
-
-def owner_alive(name: str) -> bool:
-    match = SEGMENT_NAME_RE.match(name)
-    if match is None:
-        return False
-    return process_start_ticks(int(match.group(1))) == int(match.group(2))
-
-
-def list_segments() -> list[str]:
-    """Names of every modelwarden segment in /dev/shm, live or not."""
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return []
-    return sorted(name for name in names if SEGMENT_NAME_RE.match(name))
-
-
-def unlink(name: str) -> bool:
-    try:
-        os.unlink(os.path.join(SHM_DIR, name))
-        return True
-    except FileNotFoundError:
-        return False
-
-
-def sweep_orphans() -> list[str]:
-    """Unlink segments whose creator is gone; returns their names. EPERM (another user's
-    segment, daemon not root) is left alone: only its owner or root can remove it."""
-    removed = []
-    for name in list_segments():
-        if owner_alive(name):
-            continue
-        try:
-            if unlink(name):
-                removed.append(name)
-        except PermissionError:
-            pass
-    return removed
-
-
-def segment_size(name: str) -> int | None:
-    """Size of a segment if it is a regular file we could map; None otherwise. Never maps."""
-    try:
-        info = os.stat(os.path.join(SHM_DIR, name), follow_symlinks=False)
-    except OSError:
-        return None
-    return info.st_size if stat.S_ISREG(info.st_mode) else None
+def map_shared(fd: int, size: int, populate: bool = False) -> ctypes.Array:
+    """``size`` bytes of ``fd`` mapped MAP_SHARED, as a ctypes array that unmaps them when the last
+    reference to it (numpy views and tensors over it included) is gone. Unlike ``mmap.mmap``
+    this keeps no duplicate of the descriptor: a mapping costs no descriptor, and a closed
+    descriptor really is closed."""
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    address = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, flags, fd, 0)
+    if address in (None, _MAP_FAILED):
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+    memory = (ctypes.c_uint8 * size).from_address(address)
+    weakref.finalize(memory, _libc.munmap, address, size)
+    return memory
 
 
 @dataclass(eq=False)
 class Segment:
-    """One mapped segment. ``array`` is a uint8 view of the whole mapping."""
+    """One mapped buffer. ``array`` is a uint8 view of the whole mapping; ``token`` is what the
+    daemon calls it (None until registered, and on the worker's side of a closed descriptor)."""
 
-    name: str
     size: int
     fd: int
-    mm: mmap.mmap
+    memory: ctypes.Array
+    token: str | None = None
     array: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.array = np.frombuffer(self.mm, dtype=np.uint8, count=self.size)
+        self.array = np.frombuffer(self.memory, dtype=np.uint8, count=self.size)
 
     @property
     def address(self) -> int:
         return self.array.ctypes.data
 
-    def current_size(self) -> int:
-        """The file's size now: a client may have truncated it since we mapped it."""
-        return os.fstat(self.fd).st_size
-
     def close(self) -> None:
-        """Drop our references; the mapping goes when the last tensor over it is freed."""
+        """Drop our descriptor; the mapping goes when the last tensor over it is freed."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
 
-def create_segment(size: int, group: str | None = None) -> Segment:
-    """A new, pre-faulted segment of at least ``size`` bytes, mode 0600 (0660 with a group)."""
+def create_segment(size: int) -> Segment:
+    """A new, sealed, pre-faulted buffer of at least ``size`` bytes."""
     size = max(MIN_SEGMENT, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
-    name = new_segment_name()
-    path = os.path.join(SHM_DIR, name)
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
+    fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        if group is not None:
-            os.fchown(fd, -1, grp.getgrnam(group).gr_gid)
-            os.fchmod(fd, 0o660)
         os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         # Page faults on a fresh mapping cost more than the copy we save; pay them once here.
-        mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        memory = map_shared(fd, size, populate=True)
     except BaseException:
         os.close(fd)
-        os.unlink(path)
         raise
-    return Segment(name, size, fd, mm)
+    return Segment(size, fd, memory)
 
 
-def attach_segment(name: str) -> Segment:
-    """Map a client's segment read-write. Raises OSError if it is missing or not a file."""
-    if not SEGMENT_NAME_RE.match(name):
-        raise FileNotFoundError(errno.ENOENT, "not a modelwarden segment")
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+def sealed_size(fd: int) -> int | None:
+    """The size of ``fd`` if it is a buffer we accept -- a regular file of size > 0 sealed
+    against shrinking (so only a memfd) -- else None. Never maps it."""
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
-            raise FileNotFoundError(errno.ENOENT, "not a mappable segment")
-        mm = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED)
-    except BaseException:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: a file that does not support seals
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size <= 0 or not seals & REQUIRED_SEALS:
+        return None
+    return info.st_size
+
+
+def attach_segment(fd: int, size: int, token: str) -> Segment:
+    """Map a buffer handed to us and close the descriptor: the mapping keeps the memory alive,
+    and a worker holding mappings rather than descriptors cannot run out of descriptors."""
+    try:
+        memory = map_shared(fd, size)
+    finally:
         os.close(fd)
-        raise
-    return Segment(name, info.st_size, fd, mm)
+    return Segment(size, -1, memory, token)
 
 
 class Region:
@@ -193,8 +140,9 @@ class Region:
 
     def release(self) -> None:
         # May run inside the garbage collector, in any thread: only an atomic append here; the
-        # count drops under the arena's lock on its next alloc.
-        self._arena._returned.append(self)
+        # count drops under the arena's lock on its next alloc. A closed arena keeps nothing.
+        if not self._arena.closed:
+            self._arena._returned.append(self)
 
     def bytes_view(self, offset: int, nbytes: int) -> np.ndarray:
         start = self.offset + offset
@@ -202,21 +150,24 @@ class Region:
 
 
 class ShmArena:
-    """A client's pool of segments, one region each, reused by power-of-two size class.
+    """A client's pool of buffers, one region each, reused by power-of-two size class.
 
-    Allocation is rare after warm-up: a steady workload cycles the same few segments, whose
+    Allocation is rare after warm-up: a steady workload cycles the same few buffers, whose
     pages are already faulted in. Releases may come from any thread (and from the garbage
     collector), so they go through a deque and are folded in under the lock on the next alloc.
+    Each new buffer is registered on ``channel`` at once; ``renew`` registers them all again.
     """
 
-    def __init__(self, group: str | None = None) -> None:
-        self.group = group
+    def __init__(self, channel: BufferChannel | None = None) -> None:
+        self.channel = channel
         self._lock = threading.Lock()
         self._free: dict[int, list[Region]] = collections.defaultdict(list)
         self._returned: collections.deque[Region] = collections.deque()
-        self._segments: dict[str, Segment] = {}
-        self._regions: dict[str, Region] = {}
+        self._segments: dict[int, Segment] = {}  # by id(): tokens change when renewed
+        self._by_token: dict[str, Segment] = {}
+        self._regions: dict[int, Region] = {}
         self._by_address: list[tuple[int, int, Segment]] = []
+        self.closed = False
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -231,59 +182,112 @@ class ShmArena:
             if free:
                 region = free.pop()
             else:
-                segment = create_segment(size, self.group)
-                self._segments[segment.name] = segment
-                # Replaced, not mutated: locate() reads it without the lock.
-                self._by_address = sorted(
-                    [*self._by_address, (segment.address, segment.address + segment.size, segment)],
-                    key=lambda item: item[0])
-                region = Region(segment, 0, segment.size, self)
-                self._regions[segment.name] = region
+                region = self._new_region(size)
             region._refs = 1
             return region
+
+    def _new_region(self, size: int) -> Region:
+        segment = create_segment(size)
+        try:
+            self._register([segment])
+        except BaseException:
+            segment.close()
+            raise
+        self._segments[id(segment)] = segment
+        # Replaced, not mutated: locate() reads it without the lock.
+        self._by_address = sorted(
+            [*self._by_address, (segment.address, segment.address + segment.size, segment)],
+            key=lambda item: item[0])
+        region = Region(segment, 0, segment.size, self)
+        self._regions[id(segment)] = region
+        return region
+
+    def _register(self, segments: list[Segment]) -> None:
+        if self.channel is None:
+            return
+        fds = [segment.fd for segment in segments]
+        with self.channel.lock:
+            if not self.channel.connected and self._segments:
+                self._renew_locked()  # the channel broke: every older buffer needs a new token
+            try:
+                tokens = self.channel.register(fds)
+            except ChannelClosed:  # the daemon restarted since our last registration
+                self._renew_locked()
+                tokens = self.channel.register(fds)
+        for segment, token in zip(segments, tokens):
+            segment.token = token
+            self._by_token[token] = segment
+
+    def renew(self, stale: set[str]) -> None:
+        """The daemon no longer knows some of our tokens (it restarted, so the channel died):
+        reconnect and register every live buffer again -- unless another thread already did."""
+        with self._lock:
+            if self.channel is None or not stale & self._by_token.keys():
+                return
+            with self.channel.lock:
+                self._renew_locked()
+
+    def _renew_locked(self) -> None:
+        self.channel.connect()
+        live = list(self._segments.values())
+        tokens = self.channel.register([segment.fd for segment in live]) if live else []
+        self._by_token = {}
+        for segment, token in zip(live, tokens):
+            segment.token = token
+            self._by_token[token] = segment
 
     def _fold_returns(self) -> None:
         while self._returned:
             region = self._returned.popleft()
             region._refs -= 1
-            if region._refs == 0 and region.segment.name in self._segments:
+            if region._refs == 0 and id(region.segment) in self._segments:
                 self._free[region.capacity].append(region)
 
     def locate(self, address: int, nbytes: int) -> tuple[Segment, int] | None:
-        """The segment and offset holding [address, address+nbytes), if it is ours."""
+        """The buffer and offset holding [address, address+nbytes), if it is ours."""
         for start, end, segment in self._by_address:
             if start <= address and address + nbytes <= end:
                 return segment, address - start
         return None
 
-    def segment(self, name: str) -> Segment | None:
-        return self._segments.get(name)
+    def segment(self, token: str) -> Segment | None:
+        return self._by_token.get(token)
 
-    def region_of(self, name: str) -> Region | None:
-        return self._regions.get(name)
+    def region_of(self, token: str) -> Region | None:
+        segment = self._by_token.get(token)
+        return self._regions.get(id(segment)) if segment is not None else None
 
     def discard(self, region: Region) -> None:
         """Take a region out of circulation for good (a worker may still write into it): its
-        segment is unlinked; the memory lives on until every mapping of it is gone."""
+        token is revoked and our descriptor closed; the memory lives on until every mapping of
+        it is gone."""
         with self._lock:
-            name = region.segment.name
-            if self._segments.pop(name, None) is None:
+            segment = region.segment
+            if self._segments.pop(id(segment), None) is None:
                 return
-            self._regions.pop(name, None)
-            self._by_address = [item for item in self._by_address if item[2] is not region.segment]
-            unlink(name)
-            region.segment.close()
+            self._regions.pop(id(segment), None)
+            self._by_address = [item for item in self._by_address if item[2] is not segment]
+            if segment.token is not None:
+                self._by_token.pop(segment.token, None)
+                if self.channel is not None:
+                    self.channel.unregister([segment.token])
+            segment.close()
 
-    def names(self) -> list[str]:
-        return list(self._segments)
+    def tokens(self) -> list[str]:
+        return list(self._by_token)
 
     def close(self) -> None:
-        """Unlink every segment; live tensors keep their mappings until they are freed."""
+        """Close the channel (the daemon revokes every token) and our descriptors; live tensors
+        keep their mappings until they are freed."""
         with self._lock:
+            self.closed = True
+            if self.channel is not None:
+                self.channel.close()
             for segment in self._segments.values():
-                unlink(segment.name)
                 segment.close()
             self._segments.clear()
+            self._by_token.clear()
             self._regions.clear()
             self._by_address = []
             self._free.clear()
+            self._returned.clear()  # its regions would keep their mappings alive

@@ -2,11 +2,12 @@
 
 Each pass takes one message from each readable socket (zmq_poll is level-triggered, so the next
 pass sees whatever is left), which keeps every socket served in turn. Everything that happens is
-an event on the poller: a client message (frontend ROUTERs), a worker
+an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
+message (raw Unix sockets, ``supervisor/channel.py``), a worker
 message (backend ROUTER), a control command (control ROUTER), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
-request deadlines, backoff restarts, kill escalation, the health tick, the shared-memory sweep --
-set the poll timeout, from ``time.monotonic()``. Signal handlers only record; the loop turns
+request deadlines, backoff restarts, kill escalation, the health tick -- set the poll timeout,
+from ``time.monotonic()``. Signal handlers only record; the loop turns
 signals into the same commands the control socket takes.
 """
 
@@ -27,12 +28,14 @@ from pathlib import Path
 
 import zmq
 
-from modelwarden.shared import __version__, protocol, shm
+from modelwarden.shared import __version__, protocol
 from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
 from modelwarden.shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import auth
+from modelwarden.supervisor.buffers import BufferRegistry
+from modelwarden.supervisor.channel import ChannelServer
 from modelwarden.supervisor.commands import COMMANDS
 from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
 from modelwarden.supervisor.limits import check_message
@@ -42,7 +45,6 @@ from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
 from modelwarden.supervisor.router import Router
 from modelwarden.supervisor.runtime import DaemonError, claim_runtime_dir, share_with_group
-from modelwarden.supervisor.segments import SegmentRegistry
 from modelwarden.supervisor.systemd import Notifier
 from modelwarden.supervisor.timers import Timers
 from modelwarden.worker import main as worker_main
@@ -60,7 +62,8 @@ class Arbiter:
         self.clock = time.monotonic
         self.timers = Timers()
         self.router = Router(self)
-        self.registry = SegmentRegistry(self.own_pids)
+        self.registry = BufferRegistry()
+        self.buffer_channel: ChannelServer | None = None
         self.notifier = Notifier()
         placements = placements or plan(settings)
         self.pools: dict[str, ModelPool] = {
@@ -96,15 +99,12 @@ class Arbiter:
     def run(self) -> int:
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
-        removed = shm.sweep_orphans()
-        if removed:
-            logger.info("removed %d shared-memory segment(s) left by dead clients", len(removed))
         self._bind()
+        self._open_buffer_channel()
         self._install_signal_handlers()
         self.connections.start(sum(len(pool.slots) for pool in self.pools.values()))
         now = self.clock()
         self.timers.call_at(now + TICK, self._tick)
-        self.timers.call_at(now + self.settings.daemon.shm_sweep_interval, self._sweep)
         if self.notifier.watchdog_interval:
             self.timers.call_at(now, self._watchdog)
         for pool in self.pools.values():
@@ -223,6 +223,9 @@ class Arbiter:
             handle.process.join(5)
             handle.exitcode = handle.process.exitcode
         signal.set_wakeup_fd(-1)
+        if self.buffer_channel is not None:
+            self.buffer_channel.close()
+        self.registry.close()
         if self.connections is not None:
             self.connections.close()
         for sock in (*self.frontends, self.control, self.backend):
@@ -287,15 +290,6 @@ class Arbiter:
         try:
             if kind == "hello":
                 reply = self._hello(index)
-            elif kind == "register":
-                self._require_shm(index)
-                self.registry.register((index, frames[0].bytes), protocol.parse_segment_list(header, True),
-                                       protocol.parse_session(header))
-                reply = {}
-            elif kind == "unregister":
-                names = protocol.parse_segment_list(header, False)
-                self._unmap(self.registry.unregister((index, frames[0].bytes), names))
-                reply = {}
             else:
                 raise ProtocolError(BAD_REQUEST, f"unknown request type {str(kind)[:32]!r}")
         except ProtocolError as exc:
@@ -304,10 +298,18 @@ class Arbiter:
         reply.update(id=request_id, ok=True)
         send_parts(sock, [*envelope.route, SIGNATURE, protocol.pack(reply)])
 
-    def _require_shm(self, index: int) -> None:
-        if not (self.settings.daemon.shm and self._frontend_is_ipc[index]):
-            raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
-                                "with daemon.shm = true")
+    def shm_offered(self, index: int) -> bool:
+        return self.buffer_channel is not None and self._frontend_is_ipc[index]
+
+    def _open_buffer_channel(self) -> None:
+        if not self.settings.daemon.shm:
+            return
+        self.buffer_channel = ChannelServer(
+            self.registry, self.settings.runtime_dir / "buffers.sock", self.settings.daemon.shm_group,
+            watch=self._on, unwatch=self._off,
+            pause=lambda delay, then: self.timers.call_at(self.clock() + delay, then),
+            on_revoked=self.forget_buffers, admit=self.connections.can_accept)
+        self.buffer_channel.listen()
 
     def _hello(self, index: int) -> dict:
         daemon = self.settings.daemon
@@ -315,8 +317,8 @@ class Arbiter:
                 "models": [{"name": pool.name, "workers": len(pool.slots),
                             "inputs": [spec.model_dump() for spec in pool.config.inputs or []]}
                            for pool in self.pools.values()],
-                "shm": {"enabled": daemon.shm and self._frontend_is_ipc[index],
-                        "threshold": daemon.shm_threshold, "group": daemon.shm_group},
+                "shm": {"enabled": self.shm_offered(index), "threshold": daemon.shm_threshold,
+                        "channel": str(self.buffer_channel.path) if self.buffer_channel else None},
                 "max_message_bytes": daemon.max_message_bytes}
 
     def _on_control(self) -> None:
@@ -404,6 +406,8 @@ class Arbiter:
         self._by_sentinel.pop(handle.sentinel, None)
         self._by_identity.pop(handle.identity, None)
         process.close()  # frees the sentinel fd: a long-lived daemon restarts many workers
+        handle.buffer_socket.close()
+        handle.buffers.clear()
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -419,29 +423,23 @@ class Arbiter:
         if self.stopping:
             self._shutdown_step(now)
 
-    def _sweep(self) -> None:
-        gone = sorted(set(shm.sweep_orphans()) | set(self.registry.dead_registrations()))
-        if gone:
-            self.registry.forget(gone)
-            self._unmap(gone)
-        self.timers.call_at(self.clock() + self.settings.daemon.shm_sweep_interval, self._sweep)
-
-    def _unmap(self, names: list[str]) -> None:
-        if not names:
+    def forget_buffers(self, tokens: list[str]) -> None:
+        """Revoked tokens: every worker holding one of them unmaps it."""
+        if not tokens:
             return
-        message = protocol.pack({"type": "unmap", "segments": names})
+        revoked = set(tokens)
         for handle in self._by_identity.values():
-            if handle.state == WorkerState.READY or handle.state == WorkerState.DRAINING:
-                send_parts(self.backend, [handle.identity, message])
+            held = handle.buffers & revoked
+            if held:
+                handle.buffers -= held
+                send_parts(self.backend, [handle.identity,
+                                          protocol.pack({"type": "forget", "tokens": sorted(held)})])
 
     def _watchdog(self) -> None:
         self.notifier.watchdog()
         self.timers.call_at(self.clock() + self.notifier.watchdog_interval, self._watchdog)
 
     # -- what pools and commands call -------------------------------------------------------
-
-    def own_pids(self) -> set[int]:
-        return {self.pid, *(handle.pid for handle in self._by_sentinel.values() if handle.pid)}
 
     def worker_spec(self, config: ModelConfig, slot: int, generation: int,
                     placement: SlotPlacement) -> WorkerSpec:
@@ -456,12 +454,22 @@ class Arbiter:
                           log_format=daemon.log_format)
 
     def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:
-        process = self._spawn.Process(target=worker_main.run, args=(spec,),
+        # A private SEQPACKET pair carries buffer descriptors to this worker (spawn duplicates the
+        # child's end into it); the supervisor keeps only its own end.
+        buffers, child_buffers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        process = self._spawn.Process(target=worker_main.run, args=(spec, child_buffers),
                                       name=f"modelwarden worker {spec.worker_id}")
-        process.start()
+        try:
+            process.start()
+        except BaseException:
+            buffers.close()
+            raise
+        finally:
+            child_buffers.close()
+        buffers.setblocking(False)
         now = self.clock()
         handle = WorkerHandle(spec, process, process.pid, process.sentinel, started_at=now,
-                              on_state=on_state, last_seen=now)
+                              on_state=on_state, last_seen=now, buffer_socket=buffers)
         self._by_identity[spec.identity] = handle
         self._by_sentinel[process.sentinel] = handle
         self._on(process.sentinel, functools.partial(self._on_sentinel, handle))

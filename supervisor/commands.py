@@ -95,7 +95,8 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "endpoints": {"frontend": arbiter.settings.frontends,
                                      "control": arbiter.settings.control_endpoint},
                        "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
-                       "limits": limits_snapshot(arbiter)},
+                       "limits": limits_snapshot(arbiter),
+                       "buffers": len(arbiter.registry)},
             "models": models, "workers": workers}
 
 

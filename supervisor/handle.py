@@ -86,6 +86,8 @@ class WorkerHandle:
     last_dispatch: float = 0.0
     kill_timer: Any = None
     exitcode: int | None = None
+    buffer_socket: Any = None  # our end of the SEQPACKET pair that carries buffer descriptors
+    buffers: set = field(default_factory=set)  # tokens whose descriptors this worker holds
 
     @property
     def worker_id(self) -> str:

@@ -31,6 +31,7 @@ class Request:
     done: bool = False
     connection: Any = None  # (frontend index, routing id): whose byte budgets it counts against
     nbytes: int = 0  # inline payload bytes held until it is answered
+    buffers: tuple = ()  # the buffer tokens it references: passed to a worker before it runs
 
 
 @dataclass(eq=False, slots=True)

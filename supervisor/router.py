@@ -2,14 +2,16 @@
 worker, answer each exactly once.
 
 The supervisor never reads payload bytes: inline frames are checked by length and forwarded as
-the same ZeroMQ frames; shared-memory descriptors are checked against the registry and forwarded
-as they came. Every accepted request ends in ``finish``, which answers it once and forgets it:
+the same ZeroMQ frames; shared-memory descriptors are checked against the buffer registry and
+forwarded as they came, after the buffers' descriptors were handed to the worker on its private
+socket pair (before the run message: the worker finds them queued when it reads the run). Every accepted request ends in ``finish``, which answers it once and forgets it:
 with the worker's result, a TIMEOUT from its deadline timer, a retry verdict after a worker
 death, or SHUTTING_DOWN.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import time
@@ -17,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from modelwarden.shared import protocol
-from modelwarden.shared.protocol import (NO_WORKER, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
-                             TIMEOUT, UNKNOWN_MODEL, ProtocolError)
+from modelwarden.shared import fdchannel, protocol
+from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
+                             SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL, ProtocolError)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.handle import WorkerHandle
@@ -64,7 +66,7 @@ class Router:
             if pool is None:
                 raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
                                     f"configured: {', '.join(arbiter.pools)}")
-            self._check_regions(connection, parsed)
+            buffers = self._check_regions(connection[0], parsed)
             check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
             if pool.all_fatal():
                 raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL; "
@@ -84,19 +86,27 @@ class Router:
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
         request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
                           envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
-                          connection=connection, nbytes=nbytes)
+                          connection=connection, nbytes=nbytes, buffers=buffers)
         request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)
         self.pending[request.rid] = request
         pool.queue.append(request)
         self.dispatch(pool)
 
-    def _check_regions(self, connection: tuple, parsed: protocol.InferRequest) -> None:
+    def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
+        """The tokens the request uses, each checked: registered, and the region inside it."""
+        tokens = parsed.buffers()
+        if not tokens:
+            return ()
+        if not self.arbiter.shm_offered(frontend):
+            raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
+                                "with daemon.shm = true")
         registry = self.arbiter.registry
         for index, desc in enumerate(parsed.tensors):
             if desc.shm is not None:
-                registry.check(connection, desc.shm, f"tensor {index}")
+                registry.check(desc.shm, f"tensor {index}")
         if parsed.out is not None:
-            registry.check(connection, parsed.out, "'out'")
+            registry.check(parsed.out, "'out'")
+        return tuple(tokens)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -108,7 +118,7 @@ class Router:
             if handle is None:
                 return
             request = queue.popleft()
-            if not request.done:
+            if not request.done and self._pass_buffers(handle, request):
                 self._send(handle, request, now)
 
     def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
@@ -117,6 +127,35 @@ class Router:
         for handle in handles:
             if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
                 self._send_probe(handle, now)
+
+    def _pass_buffers(self, handle: WorkerHandle, request: Request) -> bool:
+        """Hand the worker the descriptors of the buffers it lacks; False if the request was
+        answered instead (a token revoked while it waited, or the worker's pair is full)."""
+        missing = [token for token in request.buffers if token not in handle.buffers]
+        if not missing:
+            return True
+        registry = self.arbiter.registry
+        buffers = [registry.get(token) for token in missing]
+        if None in buffers:
+            self.finish(request, protocol.error_header(
+                request.client_id, BAD_REQUEST, "a buffer of this request was revoked before it "
+                "could run (its channel connection closed)", BUFFER_NOT_REGISTERED))
+            return False
+        step = fdchannel.MAX_FDS_PER_MESSAGE
+        try:
+            for start in range(0, len(missing), step):
+                batch = buffers[start:start + step]
+                fdchannel.send_message(handle.buffer_socket, {
+                    "type": "buffers", "tokens": missing[start:start + step],
+                    "sizes": [buffer.size for buffer in batch]}, [buffer.fd for buffer in batch])
+                handle.buffers.update(missing[start:start + step])
+        except OSError as exc:
+            if fdchannel.is_gone(exc):
+                return True  # the worker is dying: its sentinel will bring the request back
+            logger.error("%s: cannot pass buffers (%s)", handle.worker_id, errno.errorcode.get(exc.errno, exc))
+            self.fail(request, OVERLOADED, f"worker {handle.worker_id} is not taking buffers; retry")
+            return False
+        return True
 
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
         envelope = _RUN_PREFIX + protocol.pack(request.rid)

@@ -1,12 +1,15 @@
+import os
+
 import pytest
 
-from tests.helpers import our_segments, poll_until
+from tests.helpers import memfd_holders, poll_until
 
 
 @pytest.fixture(autouse=True)
-def shm_back_to_baseline():
-    """Every test leaves /dev/shm as it found it (no segment of ours leaks), as Triton checks."""
-    before = our_segments()
+def no_buffer_outlives_its_test():
+    """After every test, no process but this one holds a modelwarden buffer descriptor: the
+    daemon let go of every client's buffers, and no client leaked one (as Triton checks
+    /dev/shm)."""
     yield
-    poll_until(lambda: our_segments() <= before, timeout=15,
-               message=f"/dev/shm back to its baseline (extra: {our_segments() - before})")
+    poll_until(lambda: not memfd_holders(exclude=(os.getpid(),)), timeout=15,
+               message=f"no other process holding a memfd:modelwarden ({memfd_holders((os.getpid(),))})")

@@ -98,7 +98,7 @@ class Daemon:
         # Short paths: a unix socket path is limited to 107 bytes.
         self.dir = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
         settings = {"runtime_dir": str(self.dir / "run"), "allow_oversubscription": True,
-                    "heartbeat_interval": 0.2, "shm_sweep_interval": 0.5,
+                    "heartbeat_interval": 0.2,
                     "python_path": [str(ROOT)]}
         settings.update(daemon or {})
         if extra_frontends:
@@ -231,8 +231,45 @@ def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
 
 
-def our_segments() -> set[str]:
-    return set(shm.list_segments())
+MEMFD_LINK = f"/memfd:{shm.MEMFD_NAME} (deleted)"
+
+
+def memfd_holders(exclude: tuple[int, ...] = ()) -> dict[int, int]:
+    """pid -> how many modelwarden buffer descriptors (``memfd:modelwarden``) it holds, for
+    every process on the machine but ``exclude``."""
+    holders: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in exclude:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:  # gone
+            continue
+        count = sum(1 for fd in fds if _readlink(f"/proc/{entry}/fd/{fd}") == MEMFD_LINK)
+        if count:
+            holders[int(entry)] = count
+    return holders
+
+
+def _readlink(path: str) -> str | None:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed while we looked
+        return None
+
+
+def fd_count(pid: int) -> int:
+    """Descriptors ``pid`` holds, less the /proc files it reads for a moment (RSS sampling)."""
+    links = [_readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    return sum(1 for link in links if link is not None and not link.startswith("/proc/"))
+
+
+def shmem_kib() -> int:
+    """/proc/meminfo's Shmem: shared memory in use machine-wide, memfds included."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no Shmem in /proc/meminfo")
 
 
 def raw_request(endpoint: str, frames: list[bytes], timeout: float = 10.0) -> dict:

@@ -105,7 +105,9 @@ def next_event(monitor: zmq.Socket, timeout_ms: int = 10_000) -> int:
     {"type": "infer", "id": 1, "model": "x" * 100_000, "inputs": 0, "tensors": []},
     {"type": "infer", "id": 1, "model": "plain", "inputs": 0, "tensors": [{"dtype": "float32"}] * 5000},
     {"type": "infer", "id": "i" * 1000, "model": "plain", "inputs": 0, "tensors": []},
-    {"type": "register", "id": 1, "segments": [["mw.1.1." + "0" * 32, 1]] * 1000},
+    {"type": "infer", "id": 1, "model": "plain", "inputs": list(range(1000)),
+     "tensors": [{"dtype": "float32", "shape": [1], "shm": ["0" * 32, 0, 4]}] * 1000},
+    {"type": "register", "id": 1},  # buffers register on the buffer channel, not here
 ])
 def test_msgpack_limits_and_schema(daemon, header):
     reply = raw_request(daemon.endpoint, [protocol.SIGNATURE, protocol.pack(header)])

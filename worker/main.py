@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 BASELINE_RUNS = 5
 
 
-def run(spec: WorkerSpec) -> None:
+def run(spec: WorkerSpec, buffer_pair=None) -> None:
+    """``buffer_pair``: our end of the socket pair the supervisor passes buffer descriptors on."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not die_with_parent(spec.supervisor_pid):
         sys.exit(EXIT_ORPHANED)
@@ -51,7 +52,7 @@ def run(spec: WorkerSpec) -> None:
     channel = _connect(spec)
     if boot_error is not None:
         _fail(channel, "boot", boot_error, EXIT_BOOT_ERROR)
-    sys.exit(_boot_and_serve(spec, channel))
+    sys.exit(_boot_and_serve(spec, channel, buffer_pair))
 
 
 def _set_title(spec: WorkerSpec) -> None:
@@ -81,7 +82,7 @@ def _fail(channel, stage: str, message: str, code: int) -> None:
     sys.exit(code)
 
 
-def _boot_and_serve(spec: WorkerSpec, channel) -> int:
+def _boot_and_serve(spec: WorkerSpec, channel, buffer_pair) -> int:
     import torch
 
     from modelwarden.worker.loader import LoadError, example_inputs, load_model, probe_inputs
@@ -115,7 +116,7 @@ def _boot_and_serve(spec: WorkerSpec, channel) -> int:
     gc.freeze()  # the model and torch's own objects live forever: don't rescan them every pass
     parent = multiprocessing.parent_process()
     server = WorkerServer(spec, model, device, channel, parent.sentinel if parent else None,
-                          probe_args)
+                          probe_args, buffer_pair)
     return server.serve()
 
 

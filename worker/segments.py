@@ -1,60 +1,92 @@
-"""The worker's view of client shared memory: mapped once, checked on every use.
+"""The worker's view of client buffers: handed over as descriptors, mapped once, kept until told.
 
-A mapping is kept while the client uses the segment (mapping 64 MiB and faulting its page tables
-on every request would cost more than the copy we avoid). Before each use the file's current size
-is checked, so a segment truncated *before* a request gets BAD_REQUEST; one truncated *during*
-a request raises SIGBUS and kills this worker, which the supervisor handles like any crash.
+The supervisor passes each buffer's descriptor on this worker's private SEQPACKET socket pair
+(``{"type": "buffers", "tokens": [...], "sizes": [...]}`` + the fds, one token per fd) *before*
+the run message that uses it, so a token this worker has not seen yet is already waiting in the
+pair's queue: a miss drains the queue and looks again. Each descriptor is mapped and closed at
+once (the mapping keeps the memory). Buffers are sealed memfds: they cannot shrink, so a mapping
+never faults past its end and needs no size check per use. A mapping is dropped when the
+supervisor says the token was revoked (``forget``); the memory goes when the last tensor over
+it is freed.
 """
 
 from __future__ import annotations
 
-import collections
+import logging
+import socket
 
 import torch
 
+from modelwarden.shared import fdchannel
 from modelwarden.shared.codec import from_bytes
-from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError, TensorDesc
+from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, ProtocolError,
+                                         TensorDesc)
 from modelwarden.shared.shm import Segment, attach_segment
 
-MAX_MAPPINGS = 256
+logger = logging.getLogger(__name__)
 
 
 class SegmentMaps:
-    def __init__(self, limit: int = MAX_MAPPINGS) -> None:
-        self._maps: collections.OrderedDict[str, Segment] = collections.OrderedDict()
-        self._limit = limit
+    def __init__(self, pair: socket.socket | None) -> None:
+        self.pair = pair
+        self._maps: dict[str, Segment] = {}
+        if pair is not None:
+            pair.setblocking(False)
 
-    def get(self, name: str) -> Segment:
-        segment = self._maps.get(name)
-        if segment is not None:
-            self._maps.move_to_end(name)
-            return segment
-        try:
-            segment = attach_segment(name)
-        except OSError:
-            raise ProtocolError(BAD_REQUEST, "shared-memory segment cannot be opened") from None
-        self._maps[name] = segment
-        while len(self._maps) > self._limit:
-            self._maps.popitem(last=False)[1].close()
+    def get(self, token: str) -> Segment:
+        segment = self._maps.get(token)
+        if segment is None:
+            self.drain()
+            segment = self._maps.get(token)
+            if segment is None:
+                raise ProtocolError(BAD_REQUEST, "buffer was not passed to this worker",
+                                    BUFFER_NOT_REGISTERED)
         return segment
 
-    def region(self, name: str, offset: int, nbytes: int, what: str) -> tuple[Segment, object]:
-        """The segment and a uint8 view of [offset, offset+nbytes), after a size check."""
-        segment = self.get(name)
-        if offset + nbytes > segment.size or offset + nbytes > segment.current_size():
-            raise ProtocolError(BAD_REQUEST, f"{what}: region lies past the end of its segment")
+    def drain(self) -> None:
+        """Take every message waiting on the pair."""
+        while self.pair is not None:
+            try:
+                message, fds = fdchannel.receive_message(self.pair)
+            except BlockingIOError:
+                return
+            except ProtocolError as exc:  # a message cut short: its descriptors are closed
+                logger.error("buffer pair: %s", exc.message)
+                continue
+            except OSError:  # the supervisor closed its end: it is gone, and so will we be
+                self.pair.close()
+                self.pair = None
+                return
+            self._take(message, fds)
+
+    def _take(self, message: dict | None, fds: list[int]) -> None:
+        tokens = (message or {}).get("tokens") or []
+        sizes = (message or {}).get("sizes") or []
+        if (message or {}).get("type") != "buffers" or not len(tokens) == len(sizes) == len(fds):
+            logger.error("buffer pair: dropping a malformed message")
+            fdchannel.close_all(fds)
+            return
+        for token, size, fd in zip(tokens, sizes, fds):
+            try:
+                self._maps[token] = attach_segment(fd, size, token)
+            except OSError as exc:
+                logger.error("buffer pair: cannot map a buffer: %s", exc)
+
+    def region(self, token: str, offset: int, nbytes: int) -> tuple[Segment, object]:
+        """The buffer and a uint8 view of [offset, offset+nbytes) (the supervisor checked it)."""
+        segment = self.get(token)
         return segment, segment.array[offset:offset + nbytes]
 
-    def tensor(self, desc: TensorDesc, what: str) -> tuple[Segment, torch.Tensor]:
-        name, offset, nbytes = desc.shm
-        segment, view = self.region(name, offset, nbytes, what)
+    def tensor(self, desc: TensorDesc) -> tuple[Segment, torch.Tensor]:
+        token, offset, nbytes = desc.shm
+        segment, view = self.region(token, offset, nbytes)
         return segment, from_bytes(view, desc.dtype, desc.shape)
 
-    def forget(self, names: list[str]) -> None:
-        for name in names:
-            segment = self._maps.pop(name, None)
-            if segment is not None:
-                segment.close()
+    def forget(self, tokens: list) -> None:
+        self.drain()  # a token's descriptor may still be queued: take it, then drop it
+        for token in tokens:
+            if isinstance(token, str):
+                self._maps.pop(token, None)
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -5,13 +5,16 @@ beating, and the supervisor's ``heartbeat_timeout`` catches it. The loop also wa
 supervisor's pipe: when the supervisor is gone, the worker leaves (PR_SET_PDEATHSIG covers the
 case where it is stuck in ``forward``).
 
+Buffer descriptors come on a second channel, the worker's private SEQPACKET socket pair (see
+``worker/segments.py``); it is in the poller too, so it is drained while idle.
+
 Messages on the backend socket (a DEALER; the supervisor's ROUTER adds our identity). It is
 internal, so it carries no signature frame: one frame fewer per message on the hot path.
 
   supervisor -> worker
     [{"type": "run", "rid": N}, client_header, payload...]   a client's infer request
     [{"type": "run", "rid": N, "probe": true}]                the sentinel probe
-    [{"type": "unmap", "segments": [...]}]                    forget client segments
+    [{"type": "forget", "tokens": [...]}]                     unmap revoked client buffers
     [{"type": "stop"}]                                        exit 0 (sent once drained)
   worker -> supervisor
     [{"type": "state", "state": "LOADING"|"WARMING"|"READY", "info": {...}}]
@@ -69,14 +72,14 @@ class Channel:
 
 class WorkerServer:
     def __init__(self, spec: WorkerSpec, model: Callable, device: torch.device, channel: Channel,
-                 parent_sentinel: int | None, probe_args: tuple) -> None:
+                 parent_sentinel: int | None, probe_args: tuple, buffer_pair=None) -> None:
         self.spec = spec
         self.model = model
         self.device = device
         self.channel = channel
         self.parent_sentinel = parent_sentinel
         self.probe_args = probe_args
-        self.segments = SegmentMaps()
+        self.segments = SegmentMaps(buffer_pair)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.served = 0
 
@@ -93,6 +96,9 @@ class WorkerServer:
         poller.register(self.channel.socket, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
+        pair = self.segments.pair.fileno() if self.segments.pair is not None else None
+        if pair is not None:
+            poller.register(pair, zmq.POLLIN)
         interval = self.spec.heartbeat_interval
         next_beat = time.monotonic()
         while True:
@@ -101,6 +107,11 @@ class WorkerServer:
             if self.parent_sentinel is not None and self.parent_sentinel in events:
                 logger.error("supervisor is gone; leaving")
                 return EXIT_ORPHANED
+            if pair is not None and pair in events:
+                self.segments.drain()
+                if self.segments.pair is None:  # closed: it would poll readable forever
+                    poller.unregister(pair)
+                    pair = None
             if self.channel.socket in events:
                 code = self._handle(recv_parts(self.channel.socket))
                 if code is not None:
@@ -119,8 +130,8 @@ class WorkerServer:
         kind = header.get("type")
         if kind == "run":
             self._run(header, frames[1:])
-        elif kind == "unmap":
-            self.segments.forget(header.get("segments") or [])
+        elif kind == "forget":
+            self.segments.forget(header.get("tokens") or [])
         elif kind == "stop":
             logger.info("stopping as asked after %d requests", self.served)
             return EXIT_OK
@@ -167,7 +178,7 @@ class WorkerServer:
             if desc.shm is None:
                 tensors.append(from_bytes(payload[desc.frame].buffer, desc.dtype, desc.shape))
                 continue
-            segment, tensor = self.segments.tensor(desc, f"tensor {index}")
+            segment, tensor = self.segments.tensor(desc)
             sources.append(segment)
             tensors.append(tensor)
         problem = check_bool_bytes(tensors)
@@ -181,8 +192,8 @@ class WorkerServer:
             tensors = [tensor.to(self.device, non_blocking=True) for tensor in tensors]
         out = None
         if request.out is not None:
-            name, offset, nbytes = request.out
-            segment, view = self.segments.region(name, offset, nbytes, "'out'")
+            token, offset, nbytes = request.out
+            segment, view = self.segments.region(token, offset, nbytes)
             out = (segment, offset, view)
         value = unflatten(request.tree, tensors)
         if isinstance(request.tree, dict) and "dict" in request.tree:
@@ -226,11 +237,11 @@ class WorkerServer:
             desc = {"dtype": dtype, "shape": list(tensor.shape)}
             alias = _alias(tensor, nbytes, sources)
             if alias is not None:
-                desc["shm"] = [alias[0].name, alias[1], nbytes]
+                desc["shm"] = [alias[0].token, alias[1], nbytes]
             elif out is not None and nbytes >= threshold and cursor + nbytes <= len(out[2]):
                 view = from_bytes(out[2][cursor:cursor + nbytes], dtype, tuple(tensor.shape))
                 view.copy_(tensor)
-                desc["shm"] = [out[0].name, out[1] + cursor, nbytes]
+                desc["shm"] = [out[0].token, out[1] + cursor, nbytes]
                 cursor += -(-nbytes // ALIGN) * ALIGN
             else:
                 desc["frame"] = len(frames)
@@ -242,7 +253,7 @@ class WorkerServer:
 
 
 def _alias(tensor: torch.Tensor, nbytes: int, sources: list[Segment]) -> tuple[Segment, int] | None:
-    """An output lying inside an input's segment comes back as a pointer into it, as the same
+    """An output lying inside an input's buffer comes back as a pointer into it, as the same
     tensor would in-process: no copy at all."""
     if not sources or nbytes == 0 or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return None
