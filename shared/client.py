@@ -26,7 +26,9 @@ belongs to the event loop it is used from.
 
 Errors. A failed request raises a subclass of RemoteError whose ``code`` is the protocol's error
 code (``BadInput``, ``ModelError``, ``Timeout``...). A daemon that does not answer within the
-timeout (plus a grace second) raises Timeout too, saying so.
+timeout (plus a grace second) raises Timeout too, saying so. An ``ipc://`` socket that exists
+but that this process may not reach (file permissions: see docs/ARCHITECTURE.md, "Trust
+boundary") raises PermissionError at once, naming the path and who may reach it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
                            UnknownModel, WorkerDied, error_from_reply)
+from modelwarden.shared.ipcaccess import check_ipc_endpoint
 from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.shared.session import Reply, Session
 from modelwarden.shared.sockets import recv_parts, send_parts
@@ -83,6 +86,7 @@ class _Connection:
     """One DEALER socket: one connection as the daemon sees it (segments register per connection)."""
 
     def __init__(self, context: zmq.Context, endpoint: str) -> None:
+        check_ipc_endpoint(endpoint)  # EACCES now, not a timeout later
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
@@ -363,6 +367,7 @@ class AsyncClient:
     def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0,
                  shm: bool | None = None, copy_outputs: bool = False) -> None:
         self.endpoint = endpoint or default_endpoint()
+        check_ipc_endpoint(self.endpoint)  # EACCES now, not a timeout later
         self.timeout = timeout
         self._session = Session(self.endpoint, shm, copy_outputs)
         self._context = zmq.asyncio.Context()

@@ -85,6 +85,7 @@ class WorkerHandle:
     last_dispatch: float = 0.0
     kill_timer: Any = None
     exitcode: int | None = None
+    authenticated: bool = False  # presented its spawn secret (supervisor.workerauth)
 
     @property
     def worker_id(self) -> str:
