@@ -61,8 +61,8 @@ def who_may(path: Path) -> str:
     group_bit = stat.S_IXGRP if stat.S_ISDIR(info.st_mode) else stat.S_IWGRP
     if info.st_mode & group_bit:
         group = _name(grp.getgrgid, info.st_gid, "gr_name")
-        return f"the daemon's user {owner}, root, or a member of group {group}"
-    return f"only the daemon's user {owner} or root"
+        return f"the daemon's user ({owner}), root, or a member of group {group}"
+    return f"only the daemon's user ({owner}) or root"
 
 
 def _name(lookup, number: int, attribute: str) -> str:
