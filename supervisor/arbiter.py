@@ -3,7 +3,8 @@
 Each pass takes one message from each readable socket (zmq_poll is level-triggered, so the next
 pass sees whatever is left), which keeps every socket served in turn. Everything that happens is
 an event on the poller: a client message (frontend ROUTERs), a worker
-message (backend ROUTER), a control command (control ROUTER), a signal (the wakeup socket that
+message (backend ROUTER, admitted by supervisor.workerauth), a control command (control ROUTER:
+read-only; admin ROUTER: all), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
 request deadlines, backoff restarts, kill escalation, the health tick, the shared-memory sweep --
 set the poll timeout, from ``time.monotonic()``. Signal handlers only record; the loop turns
