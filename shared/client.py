@@ -458,7 +458,7 @@ class AsyncClient:
 
 
 def control_request(endpoint: str, header: dict, timeout: float = 5.0) -> dict:
-    """One request on the control socket; raises Timeout if the daemon does not answer."""
+    """One request on the control (or admin) socket; raises Timeout if the daemon does not answer."""
     context = zmq.Context()
     connection = _Connection(context, endpoint)
     try:
