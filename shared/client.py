@@ -34,7 +34,9 @@ at all, so it shows as a Timeout.
 
 Errors. A failed request raises a subclass of RemoteError whose ``code`` is the protocol's error
 code (``BadInput``, ``ModelError``, ``Timeout``...). A daemon that does not answer within the
-timeout (plus a grace second) raises Timeout too, saying so.
+timeout (plus a grace second) raises Timeout too, saying so. An ``ipc://`` socket that exists
+but that this process may not reach (file permissions: see docs/ARCHITECTURE.md, "Trust
+boundary") raises PermissionError at once, naming the path and who may reach it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
                            UnknownModel, WorkerDied, error_from_reply)
+from modelwarden.shared.ipcaccess import check_ipc_endpoint
 from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.shared.session import Reply, Session
 from modelwarden.shared.sockets import recv_parts, send_parts
@@ -92,6 +95,7 @@ class _Connection:
     """One DEALER socket: one connection as the daemon sees it."""
 
     def __init__(self, context: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> None:
+        check_ipc_endpoint(endpoint)  # EACCES now, not a timeout later
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
@@ -382,6 +386,7 @@ class AsyncClient:
                  server_key: str | os.PathLike | None = None,
                  client_key: str | os.PathLike | None = None) -> None:
         self.endpoint = endpoint or default_endpoint()
+        check_ipc_endpoint(self.endpoint)  # EACCES now, not a timeout later
         self.timeout = timeout
         curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
@@ -474,7 +479,7 @@ class AsyncClient:
 
 
 def control_request(endpoint: str, header: dict, timeout: float = 5.0) -> dict:
-    """One request on the control socket; raises Timeout if the daemon does not answer."""
+    """One request on the control (or admin) socket; raises Timeout if the daemon does not answer."""
     context = zmq.Context()
     connection = _Connection(context, endpoint)
     try:

@@ -194,6 +194,7 @@ class DaemonConfig(_Strict):
     curve: CurveConfig | None = None
     allow_plaintext_tcp: bool = False
     backend: str | None = None
+    admin: str | None = None
     allow_oversubscription: bool = False
     shm: bool = True
     shm_threshold: int = Field(default=64 * 1024, ge=0)
@@ -230,6 +231,16 @@ class DaemonConfig(_Strict):
         # Control commands stop and restart the daemon: only a socket file's permissions guard it.
         if value is not None and not value.startswith("ipc://"):
             raise ValueError(f"the control endpoint must be ipc://PATH, got {value!r}")
+        return value
+
+    @field_validator("backend", "admin")
+    @classmethod
+    def _private_endpoint(cls, value: str | None) -> str | None:
+        # Only the file system can say who may connect (see docs/ARCHITECTURE.md, "Trust
+        # boundary"): these two never go over tcp.
+        if value is not None and not re.match(r"^ipc://.+", value):
+            raise ValueError(f"endpoint {value!r}: must be ipc://PATH (in a directory only the "
+                             "daemon's user can enter)")
         return value
 
 
@@ -297,8 +308,17 @@ class Settings(BaseSettings):
         return self.daemon.control or f"ipc://{self.runtime_dir}/control.sock"
 
     @property
+    def private_dir(self) -> Path:
+        """Mode 0700 whatever ``shm_group`` says: the workers' and the admin's sockets."""
+        return self.runtime_dir / "private"
+
+    @property
     def backend_endpoint(self) -> str:
-        return self.daemon.backend or f"ipc://{self.runtime_dir}/backend.sock"
+        return self.daemon.backend or f"ipc://{self.private_dir}/backend.sock"
+
+    @property
+    def admin_endpoint(self) -> str:
+        return self.daemon.admin or f"ipc://{self.private_dir}/admin.sock"
 
     def model(self, name: str) -> ModelConfig | None:
         return next((model for model in self.models if model.name == name), None)
@@ -460,14 +480,15 @@ class WorkerSpec:
     shm_threshold: int = 64 * 1024
     log_level: str = "INFO"
     log_format: str = "text"
+    # Fresh random bytes for every incarnation (supervisor.workerauth): the routing id cannot be
+    # guessed and the secret proves the sender is the process we spawned. Both travel only in
+    # this pickled spec, through multiprocessing's spawn pipe: never argv, never environment.
+    identity: bytes = field(default=b"", repr=False)
+    secret: bytes = field(default=b"", repr=False)
 
     @property
     def worker_id(self) -> str:
         return f"{self.model.name}#{self.slot}"
-
-    @property
-    def identity(self) -> bytes:
-        return f"{self.worker_id}.{self.generation}".encode()
 
     @property
     def placement(self) -> str:

@@ -4,7 +4,8 @@ Each pass takes one message from each readable socket (zmq_poll is level-trigger
 pass sees whatever is left), which keeps every socket served in turn. Everything that happens is
 an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
 message (raw Unix sockets, ``supervisor/channel.py``), a worker
-message (backend ROUTER), a control command (control ROUTER), a signal (the wakeup socket that
+message (backend ROUTER, admitted by supervisor.workerauth), a control command (control ROUTER:
+read-only; admin ROUTER: all), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
 request deadlines, backoff restarts, kill escalation, the health tick -- set the poll timeout,
 from ``time.monotonic()``. Signal handlers only record; the loop turns
@@ -36,7 +37,7 @@ from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import auth
 from modelwarden.supervisor.buffers import BufferRegistry
 from modelwarden.supervisor.channel import ChannelServer
-from modelwarden.supervisor.commands import COMMANDS
+from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
 from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
 from modelwarden.supervisor.limits import check_message
 from modelwarden.supervisor.handle import WorkerHandle
@@ -44,9 +45,11 @@ from modelwarden.supervisor.placement import SlotPlacement, plan
 from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
 from modelwarden.supervisor.router import Router
-from modelwarden.supervisor.runtime import DaemonError, claim_runtime_dir, share_with_group
+from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
+                                            claim_private_dir, claim_runtime_dir, restrict_socket)
 from modelwarden.supervisor.systemd import Notifier
 from modelwarden.supervisor.timers import Timers
+from modelwarden.supervisor.workerauth import BackendGate, new_credentials
 from modelwarden.worker import main as worker_main
 
 logger = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class Arbiter:
         self._stop_deadline: float | None = None
         self._workers_told_to_stop = False
         self._by_identity: dict[bytes, WorkerHandle] = {}
+        self.gate = BackendGate(self.clock)
         self._by_sentinel: dict[int, WorkerHandle] = {}
         self._handlers: dict = {}
         self._spawn = multiprocessing.get_context("spawn")
@@ -88,6 +92,7 @@ class Arbiter:
         self.connections: ConnectionGuard | None = None
         self.server_keys = auth.read_server_keys(settings)  # None: tcp frontends are plaintext
         self.zap: auth.ZapHandler | None = None
+        self.admin: zmq.Socket | None = None
         self._wakeup_read, self._wakeup_write = socket.socketpair()
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
@@ -99,6 +104,9 @@ class Arbiter:
     def run(self) -> int:
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
+        claim_private_dir(self.settings.private_dir)
+        for endpoint in (self.settings.backend_endpoint, self.settings.admin_endpoint):
+            check_private_endpoint(Path(endpoint[len("ipc://"):]))
         self._bind()
         self._open_buffer_channel()
         self._install_signal_handlers()
@@ -109,9 +117,9 @@ class Arbiter:
             self.timers.call_at(now, self._watchdog)
         for pool in self.pools.values():
             pool.start_all()
-        logger.info("modelwarden %s serving %s on %s (control %s)", __version__,
+        logger.info("modelwarden %s serving %s on %s (control %s, admin %s)", __version__,
                     ", ".join(self.pools) or "no models", " ".join(self.settings.frontends),
-                    self.settings.control_endpoint)
+                    self.settings.control_endpoint, self.settings.admin_endpoint)
         self.notifier.ready(self._summary())
         gc.freeze()  # start-up objects live forever: keep the collector from rescanning them
         try:
@@ -156,7 +164,20 @@ class Arbiter:
             self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
             self._on(self.control, self._on_control)
             self._watch_connections(self.control, self.settings.control_endpoint, pausable=False)
-            self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False)
+        finally:
+            os.umask(old_umask)
+        self._bind_private()
+
+    def _bind_private(self) -> None:
+        """The sockets only the daemon's user may reach: workers and mutating commands."""
+        old_umask = os.umask(0o077)
+        try:
+            self.admin = self._router_socket(self.settings.admin_endpoint, client_facing=True,
+                                             private=True)
+            self._on(self.admin, self._on_admin)
+            self._watch_connections(self.admin, self.settings.admin_endpoint, pausable=False)
+            self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False,
+                                               private=True)
             self._on(self.backend, self._on_backend)
         finally:
             os.umask(old_umask)
@@ -174,7 +195,7 @@ class Arbiter:
         monitor = self.connections.watch(sock, endpoint, pausable)
         self._on(monitor, functools.partial(self.connections.on_monitor, monitor))
 
-    def _router_socket(self, endpoint: str, client_facing: bool) -> zmq.Socket:
+    def _router_socket(self, endpoint: str, client_facing: bool, private: bool = False) -> zmq.Socket:
         sock = self.context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         if client_facing:
@@ -189,14 +210,15 @@ class Arbiter:
             auth.make_curve_server(sock, self.server_keys)
         if endpoint.startswith("ipc://"):
             Path(endpoint[len("ipc://"):]).parent.mkdir(parents=True, exist_ok=True)
+            check_socket_path(Path(endpoint[len("ipc://"):]))
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close(0)
             raise DaemonError(f"cannot bind {endpoint}: {exc}") from None
-        group = self.settings.daemon.shm_group
-        if group and endpoint.startswith("ipc://"):
-            share_with_group(Path(endpoint[len("ipc://"):]), group)
+        if endpoint.startswith("ipc://"):
+            restrict_socket(Path(endpoint[len("ipc://"):]),
+                            None if private else self.settings.daemon.shm_group)
         return sock
 
     def _on(self, item, handler) -> None:
@@ -228,7 +250,7 @@ class Arbiter:
         self.registry.close()
         if self.connections is not None:
             self.connections.close()
-        for sock in (*self.frontends, self.control, self.backend):
+        for sock in (*self.frontends, self.control, self.admin, self.backend):
             if sock is not None:
                 sock.close()
         if self.zap is not None:
@@ -322,9 +344,12 @@ class Arbiter:
                 "max_message_bytes": daemon.max_message_bytes}
 
     def _on_control(self) -> None:
-        self._control_message(recv_parts(self.control))
+        self._control_message(self.control, recv_parts(self.control), admin=False)
 
-    def _control_message(self, frames: list) -> None:
+    def _on_admin(self) -> None:
+        self._control_message(self.admin, recv_parts(self.admin), admin=True)
+
+    def _control_message(self, sock: zmq.Socket, frames: list, admin: bool) -> None:
         request_id = None
         try:
             envelope = protocol.split_router_message(frames)
@@ -334,6 +359,9 @@ class Arbiter:
             command = COMMANDS.get(kind) if isinstance(kind, str) else None
             if command is None:
                 raise ProtocolError(BAD_REQUEST, f"unknown command; known: {', '.join(COMMANDS)}")
+            if command.mutating and not admin:
+                raise ProtocolError(BAD_REQUEST, ADMIN_ONLY.format(command=command.name,
+                                                                   admin=self.settings.admin_endpoint))
             reply = command.execute(self, header)
             reply.update(id=request_id, ok=True)
         except ProtocolError as exc:
@@ -341,20 +369,25 @@ class Arbiter:
         except Exception:  # a bug in a command: answer, log, keep serving
             logger.exception("control command failed")
             reply = protocol.error_header(request_id, INTERNAL, "internal error; see the daemon's log")
-        send_parts(self.control, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
+        send_parts(sock, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
     def _on_backend(self) -> None:
         self._worker_message(recv_parts(self.backend))
 
     def _worker_message(self, frames: list) -> None:
-        handle = self._by_identity.get(frames[0].bytes)
-        if handle is None or len(frames) < 2:
-            logger.warning("dropping a backend message from an unknown or malformed sender")
+        identity = frames[0].bytes
+        handle = self._by_identity.get(identity)
+        header = None
+        if handle is not None and len(frames) < 2:
+            self.gate.refuse(identity, "a message with no header")
             return
-        try:
-            header = protocol.unpack_header(frames[1].buffer, strict=False)
-        except ProtocolError as exc:
-            logger.error("%s sent an unreadable header: %s", handle.worker_id, exc.message)
+        if handle is not None:
+            try:
+                header = protocol.unpack_header(frames[1].buffer, strict=False)
+            except ProtocolError as exc:
+                self.gate.refuse(identity, f"unreadable header: {exc.message}")
+                return
+        if not self.gate.admit(identity, handle, header) or header is None:
             return
         if not handle.alive:
             return  # declared dead (hung, timed out): whatever it says now is too late
@@ -445,13 +478,14 @@ class Arbiter:
                     placement: SlotPlacement) -> WorkerSpec:
         daemon = self.settings.daemon
         python_path = [os.getcwd()] + [str(self.settings.resolve(p)) for p in daemon.python_path]
+        identity, secret = new_credentials()
         return WorkerSpec(model=config, slot=slot, generation=generation, cores=placement.cores,
                           threads=placement.threads, device=placement.device,
                           backend=self.settings.backend_endpoint, supervisor_pid=self.pid,
                           base_dir=str(self.settings.base_dir), python_path=python_path,
                           heartbeat_interval=daemon.heartbeat_interval,
                           shm_threshold=daemon.shm_threshold, log_level=daemon.log_level,
-                          log_format=daemon.log_format)
+                          log_format=daemon.log_format, identity=identity, secret=secret)
 
     def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:
         # A private SEQPACKET pair carries buffer descriptors to this worker (spawn duplicates the

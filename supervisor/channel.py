@@ -21,7 +21,7 @@ from modelwarden.shared import fdchannel
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, ProtocolError, bad, error_header,
                                          request_id_of)
 from modelwarden.supervisor.buffers import BufferRegistry, Peer
-from modelwarden.supervisor.runtime import DaemonError, share_with_group
+from modelwarden.supervisor.runtime import DaemonError, check_socket_path, restrict_socket
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,12 @@ class ChannelServer:
         self._peers: dict[socket.socket, Peer] = {}
 
     def listen(self) -> None:
+        check_socket_path(self.path)  # a socket or nothing: never unlink another kind of file
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
             self.path.unlink(missing_ok=True)  # a dead daemon's socket: the runtime lock is ours
             sock.bind(str(self.path))
-            os.chmod(self.path, 0o600)
-            if self.group:
-                share_with_group(self.path, self.group)
+            restrict_socket(self.path, self.group)
             sock.listen(64)
         except OSError as exc:
             sock.close()

@@ -95,7 +95,12 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
 
 def _add_control(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control", metavar="ENDPOINT",
-                        help="control endpoint (default: from the configuration)")
+                        help="control endpoint, for read-only commands (default: from the "
+                             "configuration)")
+    parser.add_argument("--admin", metavar="ENDPOINT",
+                        help="admin endpoint, for commands that change the daemon: restart, stop "
+                             "(default: from the configuration; only the daemon's user and root "
+                             "may reach it)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
 
 
@@ -162,14 +167,18 @@ def _run_daemon(settings, plan) -> int:
 
 def cmd_control(args) -> int:
     from modelwarden.shared.client import RemoteError, Timeout, control_request
+    from modelwarden.shared.ipcaccess import NoDaemon, check_ipc_endpoint
     from modelwarden.supervisor.commands import COMMANDS, EXIT_UNREACHABLE
 
-    endpoint = args.control or _settings(args).control_endpoint
+    endpoint = _command_endpoint(args, COMMANDS[args.command].mutating)
     header = {"type": args.command}
     if getattr(args, "target", None):
         header["target"] = args.target
     try:
+        check_ipc_endpoint(endpoint, require_present=True)
         reply = control_request(endpoint, header, args.timeout)
+    except (PermissionError, NoDaemon) as exc:
+        return _fail(str(exc), EXIT_UNREACHABLE)
     except Timeout:
         return _fail(f"no daemon answers at {endpoint}", EXIT_UNREACHABLE)
     except RemoteError as exc:
@@ -177,6 +186,13 @@ def cmd_control(args) -> int:
     text, code = COMMANDS[args.command].render(reply, args.json)
     print(text)
     return code
+
+
+def _command_endpoint(args, mutating: bool) -> str:
+    """Mutating commands go to the admin socket, the others to the control socket."""
+    if mutating:
+        return args.admin or _settings(args).admin_endpoint
+    return args.control or _settings(args).control_endpoint
 
 
 def cmd_infer(args) -> int:
@@ -192,7 +208,7 @@ def cmd_infer(args) -> int:
         with Client(endpoint, timeout=args.timeout, copy_outputs=True,
                     server_key=args.server_key, client_key=args.client_key) as client:
             reply = client.infer(args.model, inputs, details=True)
-    except (RemoteError, ValueError) as exc:  # ValueError: a key file that cannot be used
+    except (RemoteError, ValueError, PermissionError) as exc:  # ValueError: an unusable key file
         return _fail(str(exc), EXIT_RUNTIME)
     outputs = _leaves(reply.outputs)
     for name, value in outputs.items():

@@ -2,10 +2,15 @@
 the daemon side (``execute``: header in, reply out) and the CLI side (``render``: reply in,
 text and exit code out). Signals become the same commands (SIGTERM is ``stop``).
 
-Control messages use the frontend framing (see shared.protocol) on the control endpoint:
-  {"type": "status", "id": N}                      -> {"id", "ok", "status": {...}}
-  {"type": "restart", "id": N, "target": "mlp"}    -> {"id", "ok", "restarted": [...]}
-  {"type": "stop", "id": N}                        -> {"id", "ok"}; the daemon then drains and exits
+Control messages use the frontend framing (see shared.protocol). Read-only commands
+(``mutating = False``) are answered on the control endpoint and on the admin endpoint; commands
+that change the daemon (``mutating = True``) only on the admin endpoint, which lies in the 0700
+private directory (only the daemon's user and root can reach it). On the control endpoint a
+mutating command gets BAD_REQUEST saying so: the request is well-formed but sent where it can
+never be accepted, and no retry there helps.
+  {"type": "status", "id": N}                      -> {"id", "ok", "status": {...}}       control
+  {"type": "restart", "id": N, "target": "mlp"}    -> {"id", "ok", "restarted": [...]}    admin
+  {"type": "stop", "id": N}                        -> {"id", "ok"}; drains and exits     admin
 """
 
 from __future__ import annotations
@@ -23,12 +28,15 @@ if TYPE_CHECKING:
     from modelwarden.supervisor.arbiter import Arbiter
 
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 3
+ADMIN_ONLY = ("{command!r} changes the daemon: it is only accepted on the admin socket {admin} "
+              "(the daemon's user or root)")
 
 
 class StatusCommand:
     """Every worker's health; exit 0 when all models are fully READY, 1 when degraded."""
 
     name = "status"
+    mutating = False
 
     @staticmethod
     def execute(arbiter: "Arbiter", header: dict) -> dict:
@@ -46,6 +54,7 @@ class RestartCommand:
     """Revive FATAL slots and replace live workers (replace before retire) of a model or worker."""
 
     name = "restart"
+    mutating = True
 
     @staticmethod
     def execute(arbiter: "Arbiter", header: dict) -> dict:
@@ -66,6 +75,7 @@ class StopCommand:
     """Drain and exit, as SIGTERM does."""
 
     name = "stop"
+    mutating = True
 
     @staticmethod
     def execute(arbiter: "Arbiter", header: dict) -> dict:
@@ -93,7 +103,8 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
     return {"daemon": {"pid": arbiter.pid, "version": __version__,
                        "uptime_s": round(now - arbiter.started_at, 3),
                        "endpoints": {"frontend": arbiter.settings.frontends,
-                                     "control": arbiter.settings.control_endpoint},
+                                     "control": arbiter.settings.control_endpoint,
+                                     "admin": arbiter.settings.admin_endpoint},
                        "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
                        "limits": limits_snapshot(arbiter),
                        "buffers": len(arbiter.registry)},

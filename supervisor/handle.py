@@ -88,6 +88,7 @@ class WorkerHandle:
     exitcode: int | None = None
     buffer_socket: Any = None  # our end of the SEQPACKET pair that carries buffer descriptors
     buffers: set = field(default_factory=set)  # tokens whose descriptors this worker holds
+    authenticated: bool = False  # presented its spawn secret (supervisor.workerauth)
 
     @property
     def worker_id(self) -> str:

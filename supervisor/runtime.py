@@ -1,7 +1,25 @@
 """The runtime directory: sockets live there, and a locked pid file says whose it is.
 
+Layout (docs/ARCHITECTURE.md, "Trust boundary"):
+
+    RUNTIME/               0700, or 0750 group-owned by ``shm_group``: clients may enter
+      frontend.sock        0600, or 0660 group-owned: requests
+      control.sock         0600, or 0660 group-owned: read-only commands (status)
+      modelwarden.pid      the lock
+      private/             0700 always: only the daemon's user (and root) may enter
+        backend.sock       workers
+        admin.sock         commands that change things (stop, restart)
+
+Checked, never repaired. A directory that is absent is created with exactly the mode above. One
+that exists is accepted only if it is a real directory (not a symlink), owned by our euid, with
+exactly that mode (and group): anything else is somebody else's doing -- another user who
+pre-created ``/tmp/modelwarden-UID``, a symlink to a directory we happen to own, a mode someone
+widened -- and the daemon refuses to start, saying which path and what is wrong. It never
+chmods or chowns something it did not just create.
+
 Binding an ``ipc://`` endpoint replaces any socket file already at that path, so a second daemon
-on the same directory would silently steal the first one's clients: the lock prevents that.
+on the same directory would silently steal the first one's clients: the lock prevents that. A
+path that exists and is not a socket is never bound over.
 """
 
 from __future__ import annotations
@@ -9,8 +27,13 @@ from __future__ import annotations
 import fcntl
 import grp
 import os
+import pwd
+import stat
 from pathlib import Path
 from typing import IO
+
+PRIVATE_MODE = 0o700
+SHARED_MODE = 0o750  # group may enter (and list); only we may create or remove entries
 
 
 class DaemonError(RuntimeError):
@@ -18,16 +41,16 @@ class DaemonError(RuntimeError):
 
 
 def claim_runtime_dir(runtime: Path, group: str | None) -> IO:
-    """Create the directory (0700, or 0770 for ``group``), lock its pid file and write our pid.
+    """Create or check the runtime directory, lock its pid file and write our pid.
     The returned file holds the lock until it is closed (or the process dies)."""
+    gid = group_id(group) if group else None
+    ensure_dir(runtime, SHARED_MODE if group else PRIVATE_MODE, gid)
     try:
-        runtime.mkdir(parents=True, exist_ok=True)
-        os.chmod(runtime, 0o770 if group else 0o700)
-        if group:
-            os.chown(runtime, -1, grp.getgrnam(group).gr_gid)
-        lock = open(runtime / "modelwarden.pid", "a+")
-    except (OSError, KeyError) as exc:
-        raise DaemonError(f"cannot prepare runtime directory {runtime}: {exc}") from None
+        fd = os.open(runtime / "modelwarden.pid", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
+        lock = os.fdopen(fd, "r+")
+    except OSError as exc:
+        raise DaemonError(f"cannot open the pid file in {runtime}: {exc}") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -42,10 +65,115 @@ def claim_runtime_dir(runtime: Path, group: str | None) -> IO:
     return lock
 
 
-def share_with_group(path: Path, group: str) -> None:
-    """An ipc socket file members of ``group`` may connect to: group-owned, mode 0660."""
+def claim_private_dir(path: Path) -> None:
+    """``RUNTIME/private``: 0700 and ours, whatever ``shm_group`` says."""
+    ensure_dir(path, PRIVATE_MODE, None)
+
+
+def ensure_dir(path: Path, mode: int, gid: int | None) -> None:
+    """Create ``path`` with ``mode`` (and group ``gid``) if absent, else check it is exactly that."""
     try:
-        os.chown(path, -1, grp.getgrnam(group).gr_gid)
-        os.chmod(path, 0o660)
-    except (OSError, KeyError) as exc:
-        raise DaemonError(f"cannot give {path} to group {group}: {exc}") from None
+        info = os.lstat(path)
+    except FileNotFoundError:
+        _create_dir(path, mode, gid)
+        return
+    except OSError as exc:
+        raise DaemonError(f"runtime directory {path}: {exc.strerror}") from None
+    problem = dir_problem(info, mode, gid)
+    if problem:
+        raise DaemonError(f"runtime directory {path}: {problem}; refusing to use it "
+                          "(remove it, or fix it by hand, and start again)")
+
+
+def dir_problem(info: os.stat_result, mode: int, gid: int | None) -> str | None:
+    """What makes an existing directory unacceptable, or None."""
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid != os.geteuid():
+        return f"is owned by {_user(info.st_uid)}, not by us ({_user(os.geteuid())})"
+    if stat.S_IMODE(info.st_mode) != mode:
+        return f"has mode {stat.S_IMODE(info.st_mode):04o}, expected {mode:04o}"
+    if gid is not None and info.st_gid != gid:
+        return f"belongs to group {_group(info.st_gid)}, expected {_group(gid)} (daemon.shm_group)"
+    return None
+
+
+def _create_dir(path: Path, mode: int, gid: int | None) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(path, mode)
+        # The umask may have taken bits off: set the mode (and group) on what we just made,
+        # through a descriptor, so a path swapped meanwhile is refused rather than changed.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, mode)
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise DaemonError(f"cannot create runtime directory {path}: {exc}") from None
+
+
+def check_private_endpoint(path: Path) -> None:
+    """A configured backend/admin socket must lie in a directory only our user can enter."""
+    directory = path.parent
+    try:
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise DaemonError(f"{path}: its directory {directory}: {exc.strerror}") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is a symbolic link" if stat.S_ISLNK(info.st_mode) else "is not a directory"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by {_user(info.st_uid)}, not by us ({_user(os.geteuid())})"
+    elif stat.S_IMODE(info.st_mode) & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}: others than its owner may enter it"
+    else:
+        return
+    raise DaemonError(f"{path} must lie in a directory only the daemon's user can enter, but "
+                      f"{directory} {problem}")
+
+
+def check_socket_path(path: Path) -> None:
+    """Binding replaces a socket file; anything else at that path is not ours to replace."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise DaemonError(f"cannot bind {path}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(info.st_mode):
+        raise DaemonError(f"refusing to bind {path}: something that is not a socket is there")
+
+
+def restrict_socket(path: Path, group: str | None) -> None:
+    """An ipc socket file we just bound: 0600, or group-owned 0660 when ``group`` is given."""
+    try:
+        if group:
+            os.chown(path, -1, group_id(group))
+        os.chmod(path, 0o660 if group else 0o600)
+    except OSError as exc:
+        raise DaemonError(f"cannot set the permissions of {path}: {exc}") from None
+
+
+def group_id(group: str) -> int:
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise DaemonError(f"daemon.shm_group: no group named {group!r}") from None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return f"{grp.getgrgid(gid).gr_name} (gid {gid})"
+    except KeyError:
+        return f"gid {gid}"

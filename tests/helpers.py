@@ -112,6 +112,7 @@ class Daemon:
         self.process: subprocess.Popen | None = None
         self.endpoint = f"ipc://{self.dir}/run/frontend.sock"
         self.control = f"ipc://{self.dir}/run/control.sock"
+        self.admin = f"ipc://{self.dir}/run/private/admin.sock"
         if "frontend" in settings:
             self.endpoint = settings["frontend"][0]
 
@@ -140,9 +141,12 @@ class Daemon:
         return control_request(self.control, {"type": "status"}, timeout)["status"]
 
     def command(self, command: str, **fields: Any) -> dict:
+        """A control command on the socket the CLI would use: admin for mutating ones."""
         from modelwarden.shared.client import control_request
+        from modelwarden.supervisor.commands import COMMANDS
 
-        return control_request(self.control, {"type": command, **fields}, 5.0)
+        endpoint = self.admin if COMMANDS[command].mutating else self.control
+        return control_request(endpoint, {"type": command, **fields}, 5.0)
 
     def workers(self, model: str | None = None, state: str | None = None) -> list[dict]:
         return [worker for worker in self.status()["workers"]

@@ -72,7 +72,10 @@ def _connect(spec: WorkerSpec):
     socket.setsockopt(zmq.ROUTING_ID, spec.identity)
     socket.setsockopt(zmq.LINGER, 2000)
     socket.connect(spec.backend)
-    return Channel(socket)
+    channel = Channel(socket)
+    channel.hello(spec.secret)
+    spec.secret = b""  # sent; the model's code has no business with it
+    return channel
 
 
 def _fail(channel, stage: str, message: str, code: int) -> None:

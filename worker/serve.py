@@ -17,6 +17,9 @@ internal, so it carries no signature frame: one frame fewer per message on the h
     [{"type": "forget", "tokens": [...]}]                     unmap revoked client buffers
     [{"type": "stop"}]                                        exit 0 (sent once drained)
   worker -> supervisor
+    [{"type": "hello", "secret": <32 bytes>}]              first, right after connect: the spawn
+          secret from our WorkerSpec; until it is accepted the supervisor drops everything we
+          send (see supervisor/workerauth.py)
     [{"type": "state", "state": "LOADING"|"WARMING"|"READY", "info": {...}}]
           info: LOADING: pid, device, cores, threads, interop_threads
                 READY: device, cores, threads, interop_threads, probe_baseline_us
@@ -62,6 +65,9 @@ class Channel:
         if frames:
             parts.extend(frames)
         send_parts(self.socket, parts)
+
+    def hello(self, secret: bytes) -> None:
+        self.send({"type": "hello", "secret": secret})
 
     def state(self, state: str, **info: Any) -> None:
         self.send({"type": "state", "state": state, "info": info})

@@ -1,0 +1,383 @@
+"""Privilege separation: who can reach which socket, workers bound to their spawn secret, and a
+runtime directory that is checked, never repaired (docs/ARCHITECTURE.md, "Trust boundary").
+
+The integration tests start the real daemon as root (the test runner) and act as a real
+unprivileged user, created here, through setpriv.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from modelwarden.shared import protocol
+from modelwarden.shared.client import Client, control_request
+from modelwarden.shared.config import load_settings
+from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor import runtime
+from modelwarden.supervisor.arbiter import Arbiter
+from modelwarden.supervisor.handle import WorkerHandle
+from modelwarden.supervisor.runtime import DaemonError
+from modelwarden.supervisor.workerauth import WARN_EVERY_S, BackendGate
+from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config
+
+EXIT_DAEMON_ERROR = 1  # supervisor/cli.py: a DaemonError (runtime directory, lock, endpoint)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates a user and a group: needs root")
+
+
+# -- a real unprivileged user in a real group -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def outsider():
+    """(user, group): a fresh group and a user whose primary group it is; removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("creates a user and a group: needs root")
+    if shutil.which("setpriv") is None or shutil.which("useradd") is None:
+        pytest.skip("needs setpriv and useradd")
+    suffix = secrets.token_hex(3)
+    user, group = f"mwu{suffix}", f"mwg{suffix}"
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        subprocess.run(["useradd", "--no-create-home", "--gid", group, "--shell", "/usr/sbin/nologin",
+                        user], check=True)
+        try:
+            yield user, group
+        finally:
+            subprocess.run(["userdel", user], check=True)
+    finally:
+        subprocess.run(["groupdel", group], check=True)
+
+
+def _reachable_by_all(path: Path) -> bool:
+    return all(os.stat(part).st_mode & stat.S_IXOTH for part in path.parents)
+
+
+def _python_for_others() -> str:
+    """An interpreter an unprivileged user may execute: ours, or a system one of the same
+    version (the test venv's interpreter may live under /root, mode 0700)."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for candidate in (sys.executable, shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")):
+        if candidate and _reachable_by_all(Path(os.path.realpath(candidate))):
+            return candidate
+    pytest.skip("no python interpreter the test user may execute")
+
+
+def run_as(user: str, group: str, argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["setpriv", "--reuid", user, "--regid", group, "--init-groups", *argv],
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/tmp",
+                               "LANG": "C.UTF-8"})
+
+
+def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsider):
+    user, group = outsider
+    site_packages = sysconfig.get_paths()["purelib"]
+    if not _reachable_by_all(Path(site_packages) / "x") or not _reachable_by_all(ROOT / "tests" / "x"):
+        pytest.skip(f"{site_packages} or {ROOT} is not readable by other users")
+    with Daemon([mlp_model(workers=1)], daemon={"shm_group": group}) as daemon:
+        os.chmod(daemon.dir, 0o755)  # mkdtemp made it 0700: let the user reach run/
+        daemon.wait_ready()
+        run_dir = daemon.dir / "run"
+        assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o750
+        assert os.stat(run_dir).st_gid == grp.getgrnam(group).gr_gid
+        assert stat.S_IMODE(os.stat(run_dir / "private").st_mode) == 0o700
+        assert stat.S_IMODE(os.lstat(run_dir / "control.sock").st_mode) == 0o660
+        assert stat.S_IMODE(os.lstat(run_dir / "private" / "backend.sock").st_mode) == 0o600
+
+        result = run_as(user, group, [_python_for_others(), "-I", "-S", str(ROOT / "tests" / "outsider.py"),
+                                      site_packages, str(run_dir)])
+        assert result.returncode == 0, result.stderr
+        found = json.loads(result.stdout)
+
+        assert found["uid"] == pwd.getpwnam(user).pw_uid
+        assert found["infer_shape"] == [2, 10]
+        assert found["status_ready"] == [1]
+        assert found["cli_status"]["code"] == 0, found["cli_status"]
+        for command in ("stop", "restart"):
+            refusal = found[f"{command}_on_control"]
+            assert refusal["code"] == protocol.BAD_REQUEST, refusal
+            assert "only accepted on the admin socket" in refusal["message"]
+        assert found["connect private/backend.sock"] == "PermissionError"
+        assert found["connect private/admin.sock"] == "PermissionError"
+        assert found["client_on_backend"].startswith("PermissionError: permission denied: "), found
+        assert "only the daemon's user (root) or root" in found["client_on_backend"]
+        assert found["cli_stop"]["code"] == 3
+        assert "permission denied: " in found["cli_stop"]["stderr"]
+        assert "private/admin.sock" in found["cli_stop"]["stderr"]
+
+        # Still serving, same worker, nothing restarted.
+        assert daemon.process.poll() is None
+        status = daemon.status()
+        assert [w["restarts"] for w in status["workers"]] == [0]
+        with Client(daemon.endpoint) as client:
+            assert client.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
+
+
+# -- forged workers ---------------------------------------------------------------------------------
+
+
+def _forged_dealer(context: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
+    sock = context.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, identity)
+    sock.connect(endpoint)
+    return sock
+
+
+def _send_states(sock: zmq.Socket, hello: dict | None) -> None:
+    if hello is not None:
+        sock.send(protocol.pack(hello))
+    for state in ("LOADING", "WARMING", "READY"):
+        sock.send(protocol.pack({"type": "state", "state": state, "info": {"pid": 1}}))
+    sock.send(protocol.pack({"type": "heartbeat"}))
+
+
+def _received(sock: zmq.Socket) -> list:
+    messages = []
+    while sock.poll(0):
+        messages.append(sock.recv_multipart())
+    return messages
+
+
+@needs_root
+def test_forged_workers_are_refused_logged_and_never_served():
+    with Daemon([mlp_model(workers=2)]) as daemon:
+        daemon.wait_ready()
+        backend = f"ipc://{daemon.dir}/run/private/backend.sock"
+        context = zmq.Context()
+        # A random identity, and the one the next incarnation of mlp#0 would have had when
+        # identities were "<model>#<slot>.<generation>".
+        forged = {b"mlp#0.2": None, secrets.token_bytes(16): {"type": "hello", "secret": b"W" * 32},
+                  secrets.token_bytes(16): {"type": "hello"}}
+        sockets = {identity: _forged_dealer(context, backend, identity) for identity in forged}
+        try:
+            for identity, sock in sockets.items():
+                for _ in range(20):  # many refusals: one warning per identity per minute
+                    _send_states(sock, forged[identity])
+            replies = []
+            with Client(daemon.endpoint) as client:
+                replies += [client.infer("mlp", np.full((1, 64), i, np.float32), details=True)
+                            for i in range(20)]
+                assert daemon.command("restart", target="mlp#0")["restarted"] == ["mlp#0"]
+                for sock in sockets.values():  # again, while the replacement boots
+                    _send_states(sock, {"type": "hello", "secret": b"W" * 32})
+                replies += [client.infer("mlp", np.full((1, 64), i, np.float32), details=True)
+                            for i in range(20)]
+            assert len(replies) == 40 and {r.worker for r in replies} <= {"mlp#0", "mlp#1"}
+
+            def replaced():
+                rows = [w for w in daemon.workers("mlp") if w["id"] == "mlp#0"]
+                return rows if [(w["generation"], w["state"]) for w in rows] == [(2, "READY")] else None
+
+            poll_until(replaced, 60, message="the real replacement of mlp#0 READY")
+            for sock in sockets.values():
+                assert _received(sock) == []  # never sent a request, a probe or a stop
+        finally:
+            for sock in sockets.values():
+                sock.close()
+            context.term()
+        log = daemon.log()
+        for identity in forged:
+            lines = [line for line in log.splitlines()
+                     if f"identity {identity[:8].hex()}" in line and "WARNING" in line]
+            assert len(lines) == 1, lines  # rate-limited to one a minute per identity
+            assert "unknown identity" in lines[0]
+        assert ("W" * 32) not in log
+        assert log.count("authenticated on the backend") == 3  # mlp#0, mlp#1, mlp#0's replacement
+
+
+def _arbiter_with_one_handle(tmp_path: Path) -> tuple[Arbiter, WorkerHandle]:
+    """An Arbiter that has not started (no sockets bound) and a handle registered as if it had
+    spawned it: enough to feed backend messages to ``_worker_message``."""
+    config = tmp_path / "modelwarden.toml"
+    config.write_text(render_config({"runtime_dir": str(tmp_path / "run")},
+                                    [mlp_model(workers=1)]))
+    settings = load_settings(config)
+    arbiter = Arbiter(settings)
+    pool = arbiter.pools["mlp"]
+    spec = arbiter.worker_spec(settings.models[0], 0, 1, pool.slots[0].placement)
+    handle = WorkerHandle(spec, None, 12345, sentinel=-1, started_at=arbiter.clock(),
+                          on_state=pool._on_state, last_seen=arbiter.clock())
+    pool.slots[0].current = handle
+    arbiter._by_identity[spec.identity] = handle
+    return arbiter, handle
+
+
+def _message(identity: bytes, header: dict) -> list:
+    return [zmq.Frame(identity), zmq.Frame(protocol.pack(header))]
+
+
+def test_messages_count_only_after_the_right_secret_once(tmp_path):
+    arbiter, handle = _arbiter_with_one_handle(tmp_path)
+    try:
+        identity, loading = handle.identity, {"type": "state", "state": "LOADING", "info": {}}
+        arbiter._worker_message(_message(identity, loading))
+        assert handle.state == WorkerState.STARTING  # no hello yet
+        arbiter._worker_message(_message(identity, {"type": "hello", "secret": b"x" * 32}))
+        arbiter._worker_message(_message(identity, {"type": "hello", "secret": "not bytes"}))
+        arbiter._worker_message(_message(identity, loading))
+        assert handle.state == WorkerState.STARTING and not handle.authenticated
+        arbiter._worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
+        assert handle.authenticated
+        arbiter._worker_message(_message(identity, loading))
+        assert handle.state == WorkerState.LOADING
+        refused = arbiter.gate.refused
+        arbiter._worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
+        assert arbiter.gate.refused == refused + 1  # a second hello is refused
+        arbiter._worker_message([zmq.Frame(identity)])
+        assert arbiter.gate.refused == refused + 2
+    finally:
+        arbiter.context.term()
+
+
+def test_identities_and_secrets_are_random_and_kept_out_of_repr(tmp_path):
+    arbiter, handle = _arbiter_with_one_handle(tmp_path)
+    try:
+        specs = [arbiter.worker_spec(handle.spec.model, 0, 1, arbiter.pools["mlp"].slots[0].placement)
+                 for _ in range(3)]
+        assert len({spec.identity for spec in specs}) == 3 and len({spec.secret for spec in specs}) == 3
+        assert all(len(spec.identity) == 16 and len(spec.secret) == 32 for spec in specs)
+        assert b"mlp" not in specs[0].identity
+        assert repr(specs[0].secret) not in repr(specs[0]) and "secret=" not in repr(specs[0])
+        assert "identity=" not in repr(specs[0])
+    finally:
+        arbiter.context.term()
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_gate_warns_once_a_minute_per_identity(caplog):
+    clock = _Clock()
+    gate = BackendGate(clock)
+    with caplog.at_level("WARNING", logger="modelwarden.supervisor.workerauth"):
+        for _ in range(5):
+            gate.refuse(b"a" * 16, "unknown identity")
+        gate.refuse(b"b" * 16, "unknown identity")
+        clock.now = WARN_EVERY_S + 1
+        gate.refuse(b"a" * 16, "unknown identity")
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 3 and gate.refused == 7
+    assert "4 more dropped in the last minute" in lines[2]
+
+
+# -- the runtime directory: checked, never repaired -----------------------------------------------
+
+
+def _boot_failure(tmp_path: Path, runtime_dir: Path, **daemon: str) -> subprocess.CompletedProcess:
+    config = tmp_path / "modelwarden.toml"
+    config.write_text(render_config({"runtime_dir": str(runtime_dir), **daemon}, []))
+    return subprocess.run([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_a_symlinked_runtime_dir_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir(mode=0o755)
+    os.chmod(target, 0o755)
+    (tmp_path / "run").symlink_to(target)
+    result = _boot_failure(tmp_path, tmp_path / "run")
+    assert result.returncode == EXIT_DAEMON_ERROR
+    assert f"runtime directory {tmp_path / 'run'}: is a symbolic link" in result.stderr
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755 and not list(target.iterdir())
+
+
+def test_a_runtime_dir_with_a_wrong_mode_is_refused_not_chmodded(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o777)
+    result = _boot_failure(tmp_path, run)
+    assert result.returncode == EXIT_DAEMON_ERROR
+    assert f"runtime directory {run}: has mode 0777, expected 0700" in result.stderr
+    assert stat.S_IMODE(os.stat(run).st_mode) == 0o777 and not list(run.iterdir())
+
+
+def test_another_users_runtime_dir_is_refused(tmp_path, outsider):
+    user, _ = outsider
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    os.chmod(run, 0o700)
+    os.chown(run, pwd.getpwnam(user).pw_uid, -1)
+    result = _boot_failure(tmp_path, run)
+    assert result.returncode == EXIT_DAEMON_ERROR
+    assert f"runtime directory {run}: is owned by {user}" in result.stderr
+    assert os.stat(run).st_uid == pwd.getpwnam(user).pw_uid and not list(run.iterdir())
+
+
+def test_a_wide_private_dir_and_a_file_in_a_sockets_place_are_refused(tmp_path):
+    run = tmp_path / "run"
+    (run / "private").mkdir(parents=True)
+    os.chmod(run, 0o700)
+    os.chmod(run / "private", 0o755)
+    result = _boot_failure(tmp_path, run)
+    assert result.returncode == EXIT_DAEMON_ERROR
+    assert f"runtime directory {run / 'private'}: has mode 0755, expected 0700" in result.stderr
+    os.chmod(run / "private", 0o700)
+    (run / "control.sock").write_text("not a socket")
+    result = _boot_failure(tmp_path, run)
+    assert result.returncode == EXIT_DAEMON_ERROR
+    assert f"refusing to bind {run / 'control.sock'}: something that is not a socket" in result.stderr
+    assert (run / "control.sock").read_text() == "not a socket"
+
+
+def test_backend_and_admin_must_be_private_ipc(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o711)
+    result = _boot_failure(tmp_path, tmp_path / "run", admin=f"ipc://{shared}/admin.sock")
+    assert result.returncode == EXIT_DAEMON_ERROR
+    assert "must lie in a directory only the daemon's user can enter" in result.stderr
+    assert f"{shared} has mode 0711" in result.stderr
+    result = _boot_failure(tmp_path, tmp_path / "run", backend="tcp://127.0.0.1:5599")
+    assert result.returncode == 2 and "daemon.backend" in result.stderr and "ipc://" in result.stderr
+
+
+def test_ensure_dir_creates_exactly_the_mode_whatever_the_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        runtime.ensure_dir(tmp_path / "a" / "run", 0o750, os.getegid())
+    finally:
+        os.umask(old)
+    info = os.lstat(tmp_path / "a" / "run")
+    assert stat.S_IMODE(info.st_mode) == 0o750 and info.st_gid == os.getegid()
+    runtime.ensure_dir(tmp_path / "a" / "run", 0o750, os.getegid())  # as created: accepted
+    with pytest.raises(DaemonError, match="has mode 0750, expected 0700"):
+        runtime.ensure_dir(tmp_path / "a" / "run", 0o700, None)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(DaemonError, match="is not a directory"):
+        runtime.ensure_dir(tmp_path / "file", 0o700, None)
+
+
+def test_control_socket_refuses_mutating_commands_from_anyone(tmp_path):
+    """Even root on control.sock: the socket decides, not the caller (the CLI picks admin)."""
+    with Daemon([mlp_model(workers=1)]) as daemon:
+        daemon.wait_ready()
+        with pytest.raises(Exception) as refused:
+            control_request(daemon.control, {"type": "stop"}, 5.0)
+        assert getattr(refused.value, "code", None) == protocol.BAD_REQUEST
+        assert "private/admin.sock" in str(refused.value)
+        assert control_request(daemon.admin, {"type": "status"})["status"]["daemon"]["stopping"] is False
+        cli = subprocess.run([sys.executable, "-m", "modelwarden", "stop", "--admin", daemon.admin],
+                             capture_output=True, text=True, cwd=ROOT, timeout=30)
+        assert cli.returncode == 0 and cli.stdout.strip() == "stopping"
+        assert daemon.process.wait(30) == 0
