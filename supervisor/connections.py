@@ -58,6 +58,7 @@ import os
 import resource
 import socket
 import struct
+import time
 from pathlib import Path
 
 import zmq
@@ -69,7 +70,13 @@ BURST = 64  # connections the I/O thread may accept in one loop pass before the 
 RESERVE_BASE = 128  # the daemon's own descriptors beyond its client connections
 FDS_PER_WORKER = 4  # its sentinel, its backend connection, a respawn's pipes
 MIN_HIGH_WATER = 16
-EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
+EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
+          | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+# A peer without CURVE, or with the wrong server key, fails inside libzmq's handshake before ZAP
+# is asked (ZAP refusals are logged per peer by supervisor.auth). libzmq reports these with the
+# listening endpoint, not the peer: they are logged per endpoint, with a count, once a minute.
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+HANDSHAKE_LOG_EVERY_S = 60.0
 SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
 SO_DETACH_FILTER = getattr(socket, "SO_DETACH_FILTER", 27)
 
@@ -174,8 +181,11 @@ def _listening_fd(last_endpoint: str) -> int | None:
 class ConnectionGuard:
     """Counts client connections and pauses/resumes the frontend listeners around the marks."""
 
-    def __init__(self, fd_limit: int, max_connections: int | None, count_fds=open_fds) -> None:
+    def __init__(self, fd_limit: int, max_connections: int | None, count_fds=open_fds,
+                 clock=time.monotonic) -> None:
         self.fd_limit = fd_limit
+        self.clock = clock
+        self.failed_handshakes: dict[str, list] = {}  # endpoint -> [count since the last line, its time]
         self.max_connections = max_connections
         self.count_fds = count_fds
         self.connections = 0
@@ -223,7 +233,20 @@ class ConnectionGuard:
             elif event == zmq.EVENT_ACCEPT_FAILED:
                 logger.warning("accept failed on %s: %s", frames[1].decode(errors="replace"),
                                os.strerror(value) if value else "unknown error")
+            elif event in HANDSHAKE_FAILED:
+                self._handshake_failed(frames[1].decode(errors="replace"))
         self._decide()
+
+    def _handshake_failed(self, endpoint: str) -> None:
+        """Count a refused handshake; say so at most once a minute per endpoint."""
+        entry = self.failed_handshakes.setdefault(endpoint, [0, None])
+        entry[0] += 1
+        now = self.clock()
+        if entry[1] is None or now - entry[1] >= HANDSHAKE_LOG_EVERY_S:
+            logger.warning("refused %d handshake(s) on %s%s: a peer without CURVE, with the wrong "
+                           "server key, or not speaking ZMTP", entry[0], endpoint,
+                           "" if entry[1] is None else " in the last minute")
+            entry[0], entry[1] = 0, now
 
     def tick(self) -> None:
         """While paused, descriptors may come back without a connection event (a worker gone)."""

@@ -12,6 +12,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -20,7 +22,7 @@ import torch
 
 from modelwarden.shared.client import Client, ShuttingDown, WorkerDied
 from tests.faulty import reference
-from tests.helpers import Daemon, alive, faulty_model, poll_until
+from tests.helpers import ROOT, Daemon, alive, faulty_model, poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -251,3 +253,20 @@ def test_a_worker_stuck_in_forward_dies_with_a_sigkilled_supervisor():
             os.kill(daemon.process.pid, signal.SIGKILL)
             daemon.process.wait(30)
             poll_until(lambda: not alive(worker), 15, message="the stuck worker gone with its parent")
+
+
+def test_the_restart_and_stop_commands_drive_the_daemon():
+    with Daemon([echo("cli", delay=0.0, workers=1)]) as daemon:
+        daemon.wait_ready()
+        (old,) = daemon.worker_pids()
+        command = [sys.executable, "-m", "modelwarden"]
+        restart = subprocess.run([*command, "restart", "cli#0", "--admin", daemon.admin],
+                                 capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert restart.returncode == 0, restart.stderr
+        assert restart.stdout.strip() == "restarting: cli#0"
+        poll_until(lambda: daemon.workers("cli", "READY") and old not in daemon.worker_pids(), 60,
+                   message="cli#0 replaced by the restart command")
+        stop = subprocess.run([*command, "stop", "--admin", daemon.admin],
+                              capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert stop.returncode == 0 and stop.stdout.strip() == "stopping", stop.stderr
+        assert wait_exit(daemon, 30) == 0

@@ -23,7 +23,7 @@ from modelwarden.shared.client import BadRequest, Client
 from modelwarden.shared.codec import TORCH_DTYPES
 from modelwarden.supervisor.buffers import MAX_BUFFERS_PER_CONNECTION
 from tests.helpers import (ROOT, Daemon, cmdline, fd_count, memfd_holders, poll_until,
-                           shmem_kib)
+                           readline_within, shmem_kib)
 
 THRESHOLD = 4096  # small, so modest tensors take the shared-memory path
 
@@ -127,6 +127,16 @@ def test_shm_path_is_really_taken_and_outputs_alias_inputs(daemon):
         # the output lives in one of our buffers: zero-copy on the way back too
         assert client._session.arena.locate(fresh.data_ptr(), fresh.numel() * 4) is not None
     assert not memfd_holders().get(os.getpid())
+
+
+def test_copy_outputs_gives_ordinary_tensors_over_shared_memory(daemon):
+    x = torch.randn(64, 64)
+    with Client(daemon.endpoint, copy_outputs=True) as client:
+        y = client.infer("fresh", x)  # 16 KiB in and out: both ways through shared memory
+        assert client._session.arena is not None and client._session.arena.tokens()
+        assert torch.equal(y, x)
+        assert client._session.arena.locate(y.data_ptr(), y.numel() * 4) is None  # not a view
+    assert torch.equal(y, x)  # still valid after the client and its buffers are gone
 
 
 def test_outputs_stay_valid_while_held_and_buffers_are_reused_after(daemon):
@@ -548,7 +558,7 @@ def test_another_users_token_is_known_only_to_whoever_it_was_given_to(other_user
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/")
         connection = RawConnection(daemon.endpoint)
         try:
-            token = stranger.stdout.readline().strip()
+            token = readline_within(stranger.stdout).strip()
             assert re.fullmatch(r"[0-9a-f]{32}", token), token
             for _ in range(20):  # guessing gets nowhere
                 guess = secrets.token_hex(16)
@@ -616,7 +626,7 @@ def test_no_leaks_after_sigkill_of_a_client_a_worker_and_the_supervisor():
         # 1. a client SIGKILLed mid-request: nothing of its buffers survives anywhere
         script = CLIENT_SCRIPT.format(root=str(ROOT), endpoint=daemon.endpoint, shape=BIG)
         child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-        assert child.stdout.readline().strip() == "ready"
+        assert readline_within(child.stdout).strip() == "ready"
         poll_until(lambda: any(w["inflight"] for w in daemon.workers()), 10, message="in flight")
         holders = memfd_holders()
         assert child.pid in holders and daemon.process.pid in holders

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 
@@ -85,3 +86,21 @@ def test_the_guard_pauses_when_descriptors_run_low_whatever_the_count():
     fds["open"] = 100
     guard.tick()
     assert not guard.paused
+
+
+def test_failed_handshakes_are_logged_once_a_minute_per_endpoint(caplog):
+    now = [100.0]
+    guard = ConnectionGuard(fd_limit=1024, max_connections=None, count_fds=lambda: 10,
+                            clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.connections"):
+        for _ in range(5):
+            guard._handshake_failed("tcp://0.0.0.0:5555")
+        guard._handshake_failed("tcp://127.0.0.1:6000")
+        now[0] += 61
+        guard._handshake_failed("tcp://0.0.0.0:5555")
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("refused 1 handshake(s) on tcp://0.0.0.0:5555:")
+    assert lines[1].startswith("refused 1 handshake(s) on tcp://127.0.0.1:6000:")
+    # the four suppressed within the minute are counted in the next line
+    assert lines[2].startswith("refused 5 handshake(s) on tcp://0.0.0.0:5555 in the last minute")
