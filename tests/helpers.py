@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -318,3 +320,19 @@ def readline_within(stream, timeout: float = 60.0) -> str:
     if not idle.poll(int(timeout * 1000)):
         raise AssertionError(f"no line within {timeout}s")
     return stream.readline()
+
+
+@contextlib.contextmanager
+def temporary_user(prefix: str):
+    """(user, group): a fresh group and a user whose primary group it is, removed afterwards."""
+    suffix = secrets.token_hex(3)
+    user, group = f"{prefix}u{suffix}", f"{prefix}g{suffix}"
+    subprocess.run(["groupadd", group], check=True)
+    try:
+        subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/usr/sbin/nologin", user], check=True)
+        try:
+            yield user, group
+        finally:
+            subprocess.run(["userdel", user], check=True)
+    finally:
+        subprocess.run(["groupdel", group], check=True)

@@ -22,6 +22,8 @@ from zmq.auth.certs import load_certificate
 from modelwarden.shared import protocol
 from modelwarden.shared.client import AsyncClient, Client, Timeout
 from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config
+from tests.test_config import assert_config_error
+from tests.test_config import serve_check as check_config_file
 
 MODEL = "curvemlp"  # a name that a capture cannot hold by chance
 REFUSED = "CURVE: refused"
@@ -324,21 +326,9 @@ def test_sighup_rereads_client_keys_without_a_restart(curve_daemon, keys, tmp_pa
 
 
 def serve_check(tmp_path: Path, daemon: dict, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
     path = tmp_path / "mw.toml"
     path.write_text(render_config({"runtime_dir": str(tmp_path / "run"), **daemon}, [model_config()]))
-    environment = {**os.environ, **(env or {})}
-    environment.pop("MODELWARDEN_CONFIG", None)
-    return subprocess.run([sys.executable, "-m", "modelwarden", "serve", "--check", "--config", str(path)],
-                          cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60)
-
-
-def assert_config_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
-    for fragment in fragments:
-        assert fragment in result.stderr, result.stderr
+    return check_config_file(path, env)
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "*", "10.1.2.3", "eth0"])

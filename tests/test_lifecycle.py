@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from modelwarden.shared.client import Client, ShuttingDown, WorkerDied
-from tests.faulty import reference
 from tests.helpers import ROOT, Daemon, alive, faulty_model, poll_until
 
 pytestmark = pytest.mark.slow

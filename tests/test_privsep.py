@@ -32,7 +32,7 @@ from modelwarden.supervisor.arbiter import Arbiter
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.runtime import DaemonError
 from modelwarden.supervisor.workerauth import WARN_EVERY_S, BackendGate
-from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config
+from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config, temporary_user
 
 EXIT_DAEMON_ERROR = 1  # supervisor/cli.py: a DaemonError (runtime directory, lock, endpoint)
 
@@ -49,18 +49,8 @@ def outsider():
         pytest.skip("creates a user and a group: needs root")
     if shutil.which("setpriv") is None or shutil.which("useradd") is None:
         pytest.skip("needs setpriv and useradd")
-    suffix = secrets.token_hex(3)
-    user, group = f"mwu{suffix}", f"mwg{suffix}"
-    subprocess.run(["groupadd", group], check=True)
-    try:
-        subprocess.run(["useradd", "--no-create-home", "--gid", group, "--shell", "/usr/sbin/nologin",
-                        user], check=True)
-        try:
-            yield user, group
-        finally:
-            subprocess.run(["userdel", user], check=True)
-    finally:
-        subprocess.run(["groupdel", group], check=True)
+    with temporary_user("mw") as (user, group):
+        yield user, group
 
 
 def _reachable_by_all(path: Path) -> bool:

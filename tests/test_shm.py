@@ -1,7 +1,6 @@
 """Shared-memory payloads: byte-exact round trips, hostile descriptors and channel messages, buffers
 as capabilities (tokens), and no leaks after SIGKILLs."""
 
-import array
 import fcntl
 import json
 import os
@@ -19,11 +18,11 @@ import torch
 import zmq
 
 from modelwarden.shared import fdchannel, protocol, shm
-from modelwarden.shared.client import BadRequest, Client
+from modelwarden.shared.client import Client
 from modelwarden.shared.codec import TORCH_DTYPES
 from modelwarden.supervisor.buffers import MAX_BUFFERS_PER_CONNECTION
 from tests.helpers import (ROOT, Daemon, cmdline, fd_count, memfd_holders, poll_until,
-                           readline_within, shmem_kib)
+                           readline_within, shmem_kib, temporary_user)
 
 THRESHOLD = 4096  # small, so modest tensors take the shared-memory path
 
@@ -533,17 +532,8 @@ def other_user():
         pytest.skip("needs root to create a user and a group")
     if not os.path.exists("/usr/bin/python3"):
         pytest.skip("needs a system /usr/bin/python3 the other user can run")
-    suffix = secrets.token_hex(3)
-    group, user = f"mwcap{suffix}", f"mwcapu{suffix}"
-    subprocess.run(["groupadd", group], check=True)
-    try:
-        subprocess.run(["useradd", "-M", "-N", "-g", group, "-s", "/usr/sbin/nologin", user], check=True)
-        try:
-            yield user, group
-        finally:
-            subprocess.run(["userdel", user], check=True)
-    finally:
-        subprocess.run(["groupdel", group], check=True)
+    with temporary_user("mwcap") as (user, group):
+        yield user, group
 
 
 def test_another_users_token_is_known_only_to_whoever_it_was_given_to(other_user):
