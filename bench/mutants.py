@@ -247,7 +247,7 @@ def copy_tree(destination: Path) -> None:
         (destination / "modelwarden" / role).symlink_to(destination / role, target_is_directory=True)
 
 
-def run_one(mutation: Mutation, timeout: float) -> tuple[str, float, str]:
+def run_one(mutation: Mutation, timeout: float, test_timeout: float) -> tuple[str, float, str]:
     with tempfile.TemporaryDirectory(prefix="mw-mutant-") as scratch:
         tree = Path(scratch)
         copy_tree(tree)
@@ -263,9 +263,11 @@ def run_one(mutation: Mutation, timeout: float) -> tuple[str, float, str]:
             return "ERROR", 0.0, f"the copy is not what gets imported: {where.stdout or where.stderr}"
         started = time.monotonic()
         try:
+            # A mutation often turns a mechanism into a hang: cap each test well below the suite's
+            # 300 s so a caught mutation costs minutes, not the whole budget.
             result = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                     *mutation.tests], cwd=tree, env=env, capture_output=True,
-                                    text=True, timeout=timeout)
+                                     "-o", f"timeout={test_timeout:.0f}", *mutation.tests], cwd=tree,
+                                    env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return "caught (timeout)", time.monotonic() - started, ""
         elapsed = time.monotonic() - started
@@ -282,6 +284,7 @@ def main() -> int:
     parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the mutations and their tests")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per mutation")
+    parser.add_argument("--test-timeout", type=float, default=150, help="seconds per test under a mutation")
     args = parser.parse_args()
     chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
     unknown = set(args.names) - {m.name for m in MUTATIONS}
@@ -294,7 +297,7 @@ def main() -> int:
     print(f"{'mutation':28} {'verdict':18} {'seconds':>7}  tests")
     bad = 0
     for mutation in chosen:
-        verdict, elapsed, detail = run_one(mutation, args.timeout)
+        verdict, elapsed, detail = run_one(mutation, args.timeout, args.test_timeout)
         bad += not verdict.startswith("caught")
         tests = ", ".join(test.split("::")[-1] if "::" in test else test for test in mutation.tests)
         print(f"{mutation.name:28} {verdict:18} {elapsed:7.1f}  {tests}", flush=True)
