@@ -257,6 +257,7 @@ def copy_tree(destination: Path) -> None:
 def run_one(mutation: Mutation, timeout: float, test_timeout: float) -> tuple[str, float, str]:
     with tempfile.TemporaryDirectory(prefix="mw-mutant-") as scratch:
         tree = Path(scratch)
+        os.chmod(tree, 0o755)  # tests that run a client as another user must reach the copy
         copy_tree(tree)
         target = tree / mutation.path
         code = target.read_text()
@@ -281,6 +282,8 @@ def run_one(mutation: Mutation, timeout: float, test_timeout: float) -> tuple[st
         last = (result.stdout.strip().splitlines() or [""])[-1]
         if result.returncode == 1:
             return "caught", elapsed, last
+        if result.returncode == 0 and "skipped" in last:
+            return "ERROR (skipped)", elapsed, last  # a skipped guard proves nothing
         if result.returncode == 0:
             return "SURVIVED", elapsed, last
         return "ERROR", elapsed, f"pytest exit {result.returncode}: {last}"
