@@ -225,16 +225,19 @@ def test_requests_past_the_daemon_wide_byte_cap_are_overloaded():
 # -- messages ----------------------------------------------------------------------------------
 
 
+def one_reply(endpoint: str, message: list) -> dict:
+    sock = raw_dealer(endpoint)
+    try:
+        sock.send_multipart(message)
+        return read_replies(sock, 1)[0]
+    finally:
+        sock.close()
+
+
 def test_a_message_of_too_many_frames_is_a_bad_request():
     with Daemon([echo_model()], daemon={"shm": False}) as daemon:
         daemon.wait_ready()
-        sock = raw_dealer(daemon.endpoint)
-        try:
-            tensors = [np.zeros(1, np.float32)] * 2000
-            sock.send_multipart(infer_message(1, tensors))
-            reply = read_replies(sock, 1)[0]
-        finally:
-            sock.close()
+        reply = one_reply(daemon.endpoint, infer_message(1, [np.zeros(1, np.float32)] * 2000))
         assert not reply["ok"] and reply["error"]["code"] == "BAD_REQUEST", reply
         assert "frames exceeds" in reply["error"]["message"]
 
@@ -247,13 +250,8 @@ def test_a_message_over_max_message_bytes_in_all_is_refused_and_released():
         daemon.wait_ready()
         pid = daemon.process.pid
         baseline = rss_bytes(pid)
-        sock = raw_dealer(daemon.endpoint)
-        try:
-            tensors = [np.full(2 * MiB, index, np.float32) for index in range(20)]
-            sock.send_multipart(infer_message(1, tensors))
-            reply = read_replies(sock, 1)[0]
-        finally:
-            sock.close()
+        tensors = [np.full(2 * MiB, index, np.float32) for index in range(20)]
+        reply = one_reply(daemon.endpoint, infer_message(1, tensors))
         assert not reply["ok"] and reply["error"]["code"] == "BAD_REQUEST", reply
         assert "max_message_bytes" in reply["error"]["message"]
         poll_until(lambda: rss_bytes(pid) - baseline < 48 * MiB, 10,
