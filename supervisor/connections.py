@@ -57,6 +57,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 import struct
 import time
 from pathlib import Path
@@ -113,6 +114,7 @@ class Listener:
         self.endpoint = endpoint
         self.paused = False
         self._path: Path | None = None
+        self._mode = 0o600  # the socket file's mode before a pause
         self._fd: int | None = None
         if endpoint.startswith("ipc://@"):
             logger.warning("%s is an abstract socket (no file to rename): it will not pause "
@@ -129,6 +131,10 @@ class Listener:
 
     def pause(self) -> None:
         if self._path is not None:
+            # Mode 0 first: the aside name is listable by the clients' group, and a connect to it
+            # must fail too, or a group member could flood past the pause.
+            self._mode = stat.S_IMODE(os.stat(self._path).st_mode)
+            os.chmod(self._path, 0)
             os.rename(self._path, self._aside())
         elif self._fd is not None:
             _setsockopt_fd(self._fd, SO_ATTACH_FILTER, _DROP_ALL_PROG)
@@ -137,6 +143,7 @@ class Listener:
     def resume(self) -> None:
         if self._path is not None:
             os.rename(self._aside(), self._path)
+            os.chmod(self._path, self._mode)
         elif self._fd is not None:
             _setsockopt_fd(self._fd, SO_DETACH_FILTER, struct.pack("i", 0))
         self.paused = False

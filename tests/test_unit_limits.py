@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import os
+import stat
 import logging
 
 import pytest
+import zmq
 
 from modelwarden.shared.protocol import BAD_REQUEST, OVERLOADED, ProtocolError
-from modelwarden.supervisor.connections import ConnectionGuard
+from modelwarden.supervisor.connections import ConnectionGuard, Listener
 from modelwarden.supervisor.limits import MAX_FRAMES, TRACK_EVERY, ReplyLedger, RequestBytes, check_message
 from tests.helpers import poll_until
 
@@ -104,3 +107,23 @@ def test_failed_handshakes_are_logged_once_a_minute_per_endpoint(caplog):
     assert lines[1].startswith("refused 1 handshake(s) on tcp://127.0.0.1:6000:")
     # the four suppressed within the minute are counted in the next line
     assert lines[2].startswith("refused 5 handshake(s) on tcp://0.0.0.0:5555 in the last minute")
+
+
+def test_a_paused_ipc_listener_is_neither_at_its_name_nor_connectable_aside(tmp_path):
+    context = zmq.Context()
+    sock = context.socket(zmq.ROUTER)
+    path = tmp_path / "frontend.sock"
+    try:
+        sock.bind(f"ipc://{path}")
+        os.chmod(path, 0o660)
+        listener = Listener(f"ipc://{path}", sock)
+        listener.pause()
+        aside = tmp_path / ".frontend.sock.paused"
+        assert not path.exists() and aside.exists()
+        assert stat.S_IMODE(os.stat(aside).st_mode) == 0  # a group member cannot connect to it
+        listener.resume()
+        assert path.exists() and not aside.exists()
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    finally:
+        sock.close(0)
+        context.term()
