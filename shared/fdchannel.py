@@ -178,10 +178,11 @@ class BufferChannel:
                 return
             try:
                 self._drop_answers()  # earlier unregisters' answers: never let them pile up
-                for start in range(0, len(tokens), protocol.MAX_BUFFERS_PER_MESSAGE):
+                step = protocol.MAX_BUFFERS_PER_MESSAGE
+                for start in range(0, len(tokens), step):
                     self._ids += 1
                     send_message(self._sock, {"type": "unregister", "id": self._ids,
-                                              "tokens": tokens[start:start + protocol.MAX_BUFFERS_PER_MESSAGE]})
+                                              "tokens": tokens[start:start + step]})
             except (OSError, ProtocolError):
                 self.close()  # the daemon is gone: so are the tokens
 

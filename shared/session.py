@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import as_tensor, dtype_name, flatten, from_bytes, raw_bytes, to_numpy, unflatten
+from modelwarden.shared.codec import (as_tensor, dtype_name, flatten, from_bytes, raw_bytes, to_numpy,
+                                      unflatten)
 from modelwarden.shared.errors import InternalError, Timeout, error_from_reply
 from modelwarden.shared.fdchannel import BufferChannel
 from modelwarden.shared.protocol import SIGNATURE

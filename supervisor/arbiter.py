@@ -32,7 +32,8 @@ import zmq
 from modelwarden.shared import __version__, protocol
 from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
-from modelwarden.shared.protocol import BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE, ProtocolError
+from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
+                                         ProtocolError)
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import auth
 from modelwarden.supervisor.buffers import BufferRegistry

@@ -19,10 +19,11 @@ hold, and what a peer gets at each bound.
   request still gets exactly one answer), and the connection's new requests are answered
   OVERLOADED until its backlog is written. Bound: per connection ``max_unread_bytes_per_connection``
   + 2 x ``TRACK_EVERY`` (bytes not yet covered by a tracker) + one reply; in all
-  ``max_unread_bytes`` + 2 x ``TRACK_EVERY`` per connection + one reply. Error and hello replies are not counted; they are small and, per connection, at
-  most the frontend's ``ZMQ_SNDHWM`` in number.
+  ``max_unread_bytes`` + 2 x ``TRACK_EVERY`` per connection + one reply. Error and hello
+  replies are not counted; they are small and, per connection, at most the frontend's
+  ``ZMQ_SNDHWM`` in number.
 
-A connection is ``(frontend index, routing id)``, the key the segment registry uses too.
+A connection is ``(frontend index, routing id)``.
 Tracking costs about 20 us of CPU per tracked reply (pyzmq's free callback goes through its
 garbage-collector thread), which is why small replies are tracked only every ``TRACK_EVERY``.
 """

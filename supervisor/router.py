@@ -4,9 +4,9 @@ worker, answer each exactly once.
 The supervisor never reads payload bytes: inline frames are checked by length and forwarded as
 the same ZeroMQ frames; shared-memory descriptors are checked against the buffer registry and
 forwarded as they came, after the buffers' descriptors were handed to the worker on its private
-socket pair (before the run message: the worker finds them queued when it reads the run). Every accepted request ends in ``finish``, which answers it once and forgets it:
-with the worker's result, a TIMEOUT from its deadline timer, a retry verdict after a worker
-death, or SHUTTING_DOWN.
+socket pair (before the run message: the worker finds them queued when it reads the run). Every
+accepted request ends in ``finish``, which answers it once and forgets it: with the worker's
+result, a TIMEOUT from its deadline timer, a retry verdict after a worker death, or SHUTTING_DOWN.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import zmq
 
 from modelwarden.shared import fdchannel, protocol
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
-                             SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL, ProtocolError)
+                                         SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
+                                         ProtocolError)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.handle import WorkerHandle
@@ -152,7 +153,8 @@ class Router:
         except OSError as exc:
             if fdchannel.is_gone(exc):
                 return True  # the worker is dying: its sentinel will bring the request back
-            logger.error("%s: cannot pass buffers (%s)", handle.worker_id, errno.errorcode.get(exc.errno, exc))
+            logger.error("%s: cannot pass buffers (%s)", handle.worker_id,
+                         errno.errorcode.get(exc.errno, exc))
             self.fail(request, OVERLOADED, f"worker {handle.worker_id} is not taking buffers; retry")
             return False
         return True

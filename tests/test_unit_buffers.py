@@ -51,13 +51,16 @@ def test_an_unsealed_memfd_spoils_the_whole_message_and_the_caller_keeps_the_fds
 def test_limits_per_connection_and_in_all():
     registry = BufferRegistry(per_connection=2, total=3)
     first, second = Peer(1, 0, 0), Peer(2, 0, 0)
+    refused = [sealed(), sealed()]  # a refused caller keeps its descriptors: closed below
     registry.register(first, [sealed(), sealed()])
     with pytest.raises(ProtocolError):
-        registry.register(first, [sealed()])
+        registry.register(first, refused[:1])
     registry.register(second, [sealed()])
     with pytest.raises(ProtocolError):
-        registry.register(second, [sealed()])  # the daemon-wide cap
+        registry.register(second, refused[1:])  # the daemon-wide cap
     registry.close()
+    for fd in refused:
+        os.close(fd)
 
 
 def test_check_refuses_unknown_tokens_and_regions_outside_without_echoing_the_token():
@@ -98,5 +101,6 @@ def test_framing_round_trip_and_truncation_closes_what_came():
         left.close()
         with pytest.raises(fdchannel.ChannelClosed):
             fdchannel.receive_message(right)
+        os.close(fd)
     finally:
         right.close()
