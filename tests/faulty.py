@@ -2,7 +2,10 @@
 
 ``make_faulty(fault=..., after=N)``: a small deterministic model, y = x @ W + 1 over [N, 8]
 inputs, that misbehaves in one chosen way once it has served ``after`` calls *in this process*
-(so a retried request on a fresh worker succeeds). Faults:
+(so a retried request on a fresh worker succeeds). With ``once=PATH`` only the first process to
+create the file PATH misbehaves (its siblings and successors behave), so a retried request never
+meets a second armed worker: a test of the retry then cannot turn into a test of POISON by chance.
+Faults:
 
   none        behaves
   raise       raises ValueError when the input holds the marker value 13.0
@@ -45,8 +48,10 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 
 class Faulty(nn.Module):
     def __init__(self, fault: str, after: int, only_batch: int | None, leak_mb: int,
-                 scale: float, delay: float = 0.0) -> None:
+                 scale: float, delay: float = 0.0, once: str | None = None) -> None:
         super().__init__()
+        self.once = once
+        self.claimed: bool | None = None  # None: the token was not tried yet
         self.fault = fault
         self.delay = delay
         self.after = after
@@ -60,6 +65,7 @@ class Faulty(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         armed = self.calls > self.after and (self.only_batch is None or x.shape[0] == self.only_batch)
+        armed = armed and self._holds_the_token()
         has_marker = bool((x == MARKER).any())
         if self.fault == "raise" and has_marker:
             raise ValueError("the input holds the marker value")
@@ -75,6 +81,17 @@ class Faulty(nn.Module):
         if self.fault == "flaky_drift" and self.calls > self.after and self.calls % 2 == 0:
             y = y * (1.0 + self.scale)
         return y
+
+    def _holds_the_token(self) -> bool:
+        if self.once is None:
+            return True
+        if self.claimed is None:
+            try:
+                os.close(os.open(self.once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                self.claimed = True
+            except FileExistsError:
+                self.claimed = False
+        return self.claimed
 
     def _misbehave(self) -> None:
         if self.fault == "segfault":
@@ -97,14 +114,15 @@ class Faulty(nn.Module):
 
 
 def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = None,
-                leak_mb: int = 32, scale: float = 0.5, delay: float = 0.0) -> nn.Module:
+                leak_mb: int = 32, scale: float = 0.5, delay: float = 0.0,
+                once: str | None = None) -> nn.Module:
     if fault == "load_error":
         raise RuntimeError("this model refuses to load (test fault)")
     if fault == "load_hang":
         stuck = threading.Event()  # never set: a load that never finishes
         while True:
             stuck.wait(3600)
-    return Faulty(fault, after, only_batch, leak_mb, scale, delay)
+    return Faulty(fault, after, only_batch, leak_mb, scale, delay, once)
 
 
 class Echo(nn.Module):
