@@ -395,14 +395,14 @@ class Arbiter:
         handle.last_seen = self.clock()
         pool = self.pools[handle.spec.model.name]
         kind = header.get("type")
-        if kind == "result":
+        if kind == protocol.RESULT:
             self.router.on_result(pool, handle, header, frames[2:])
-        elif kind == "heartbeat":
+        elif kind == protocol.HEARTBEAT:
             handle.cuda_bytes = header.get("cuda_bytes")
-        elif kind == "state":
+        elif kind == protocol.STATE:
             pool.on_worker_state(handle, header.get("state"), header.get("info") or {})
             self.notifier.status(self._summary())
-        elif kind == "failed":
+        elif kind == protocol.FAILED:
             handle.failure = f"{header.get('stage')}: {header.get('message')}"
             pool.slot_of(handle).failure = handle.failure
         else:
@@ -467,7 +467,7 @@ class Arbiter:
             if held:
                 handle.buffers -= held
                 send_parts(self.backend, [handle.identity,
-                                          protocol.pack({"type": "forget", "tokens": sorted(held)})])
+                                          protocol.pack({"type": protocol.FORGET, "tokens": sorted(held)})])
 
     def _watchdog(self) -> None:
         self.notifier.watchdog()
@@ -512,7 +512,7 @@ class Arbiter:
         return handle
 
     def send_stop(self, handle: WorkerHandle) -> None:
-        send_parts(self.backend, [handle.identity, protocol.pack({"type": "stop"})])
+        send_parts(self.backend, [handle.identity, protocol.pack({"type": protocol.STOP})])
 
     def dispatch(self, pool: ModelPool) -> None:
         self.router.dispatch(pool)

@@ -72,7 +72,6 @@ class ModelPool:
         self.host = host
         self.judge = judge
         self.slots = [Slot(index, placement) for index, placement in enumerate(placements)]
-        self.queue: collections.deque = collections.deque()
         self._next_rss_sample = 0.0
 
     @property

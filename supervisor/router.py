@@ -11,6 +11,7 @@ result, a TIMEOUT from its deadline timer, a retry verdict after a worker death,
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import logging
@@ -25,6 +26,7 @@ from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_
                                          ProtocolError)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor import batching
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.limits import ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.probes import decode_outputs, Verdict
@@ -39,13 +41,17 @@ logger = logging.getLogger(__name__)
 
 # {"type": "run", "rid": N} with N packed separately: the same bytes as packing the whole map,
 # for a fraction of the cost on the hot path.
-_RUN_PREFIX = b"\x82" + protocol.pack("type") + protocol.pack("run") + protocol.pack("rid")
+_RUN_PREFIX = (b"\x82" + protocol.pack("type") + protocol.pack(protocol.RUN)
+               + protocol.pack("rid"))
 
 
 class Router:
     def __init__(self, arbiter: "Arbiter") -> None:
         self.arbiter = arbiter
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
+        self.queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self.batches: dict[str, batching.BatchStats] = collections.defaultdict(batching.BatchStats)
+        self._holds: dict[str, Any] = {}  # model -> the timer that sends its held partial batch
         self._rids = itertools.count(1)
         daemon = arbiter.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
@@ -72,8 +78,9 @@ class Router:
             if pool.all_fatal():
                 raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL; "
                                     "see `modelwarden status`, then `modelwarden restart`")
-            if len(pool.queue) >= pool.config.max_queue:
-                raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(pool.queue)} requests "
+            queue = self.queues[pool.name]
+            if len(queue) >= pool.config.max_queue:
+                raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(queue)} requests "
                                     "queued (max_queue); retry later")
             refusal = self.replies.refusal(connection)
             if refusal is not None:
@@ -89,8 +96,13 @@ class Router:
                           envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
                           connection=connection, nbytes=nbytes, buffers=buffers)
         request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)
+        request.arrived = now
+        batch = pool.config.batching
+        if batch.enabled:
+            request.batch_key, request.rows = batching.signature(parsed, batch.dim) or (None, 0)
+            request.queued_under_load = bool(queue) or pool.least_loaded() is None
         self.pending[request.rid] = request
-        pool.queue.append(request)
+        queue.append(request)
         self.dispatch(pool)
 
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
@@ -111,16 +123,42 @@ class Router:
 
     # -- dispatch ---------------------------------------------------------------------------
 
+    def queued(self, pool: "ModelPool") -> int:
+        return len(self.queues[pool.name])
+
     def dispatch(self, pool: "ModelPool") -> None:
-        queue = pool.queue
+        queue = self.queues[pool.name]
         now = self.arbiter.clock()
+        config = pool.config.batching
         while queue:
             handle = pool.least_loaded()
             if handle is None:
                 return
-            request = queue.popleft()
-            if not request.done and self._pass_buffers(handle, request):
-                self._send(handle, request, now)
+            members = batching.pick(queue, config)
+            if config.max_delay_us and self._hold(pool, members, now):
+                return
+            batching.remove(queue, members)
+            members = [request for request in members
+                       if not request.done and self._pass_buffers(handle, request)]
+            if len(members) == 1:
+                self._send(handle, members[0], now)
+            elif members:
+                self._send_batch(handle, members, now)
+            if members and config.enabled:
+                self.batches[pool.name].record(len(members))
+
+    def _hold(self, pool: "ModelPool", members: list, now: float) -> bool:
+        """True while a partial batch waits for more members (a timer sends it later)."""
+        until = batching.hold_until(members, pool.config.batching)
+        if until is None or until <= now:
+            return False
+        if pool.name not in self._holds:
+            self._holds[pool.name] = self.arbiter.timers.call_at(until, self._release, pool)
+        return True
+
+    def _release(self, pool: "ModelPool") -> None:
+        self._holds.pop(pool.name, None)
+        self.dispatch(pool)  # the held head's wait is over now: it goes with what is there
 
     def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
         """Probes go out between real requests: to a worker with room whose probe is due."""
@@ -163,84 +201,115 @@ class Router:
         envelope = _RUN_PREFIX + protocol.pack(request.rid)
         send_parts(self.arbiter.backend,
                    [handle.identity, envelope, request.header_frame, *request.payload])
+        self._mark_sent(handle, request, 1, now)
+
+    def _send_batch(self, handle: WorkerHandle, members: list, now: float) -> None:
+        """One message, every member's header and payload frames as they came: the supervisor
+        still never touches payload bytes."""
+        envelope = protocol.pack({"type": protocol.BATCH, "rids": [m.rid for m in members],
+                                  "frames": [1 + len(m.payload) for m in members]})
+        parts = [handle.identity, envelope]
+        for member in members:
+            parts.append(member.header_frame)
+            parts.extend(member.payload)
+        send_parts(self.arbiter.backend, parts)
+        for member in members:
+            self._mark_sent(handle, member, len(members), now)
+
+    @staticmethod
+    def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
         request.worker = handle
+        request.batch_size = batch_size
         request.dispatched_ns = time.perf_counter_ns()
         handle.inflight[request.rid] = request
         handle.last_dispatch = now
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(next(self._rids), handle)
-        send_parts(self.arbiter.backend,
-                   [handle.identity, protocol.pack({"type": "run", "rid": probe.rid, "probe": True})])
+        send_parts(self.arbiter.backend, [handle.identity, protocol.pack(
+            {"type": protocol.RUN, "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
         handle.probe.inflight_since = now
         handle.probe.rid = probe.rid
 
     # -- answers ----------------------------------------------------------------------------
 
-    def on_result(self, pool: "ModelPool", handle: WorkerHandle, header: dict, frames: list) -> None:
-        request = handle.inflight.pop(header.get("rid"), None)
+    def on_result(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict, frames: list) -> None:
+        """``frames``: the reply header the worker wrote for the client, then its payload."""
+        request = handle.inflight.pop(envelope.get("rid"), None)
         if request is None:
             logger.error("%s answered a request it does not hold", handle.worker_id)
             return
+        if not frames:
+            logger.error("%s sent a result without a reply header", handle.worker_id)
+            frames = [protocol.pack(protocol.error_header(None, protocol.INTERNAL,
+                                                          "the worker's answer had no header"))]
+            envelope = {"ok": False}
         if isinstance(request, ProbeRequest):
-            self._judge_probe(pool, handle, request, header, frames)
+            self._judge_probe(pool, handle, request, envelope, frames)
         else:
-            self._relay_result(handle, request, header, frames)
+            self._relay_result(handle, request, envelope, frames)
         pool.after_result(handle)
         if handle.state == WorkerState.READY:
             self.send_due_probes(pool, [handle])
         self.dispatch(pool)
 
-    def _relay_result(self, handle: WorkerHandle, request: Request, header: dict, frames: list) -> None:
+    def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
+                      frames: list) -> None:
+        """The worker wrote the client's reply header; only the timing is added, as bytes
+        appended to the map, not by decoding and encoding it again."""
         handle.served += 1
         if request.done:  # it timed out while the worker was busy with it
             return
-        finished_ns = time.perf_counter_ns()
-        total_us = (finished_ns - request.received_ns) // 1000
-        if header.get("ok"):
+        if envelope.get("ok"):
+            total_us = (time.perf_counter_ns() - request.received_ns) // 1000
             handle.latencies_us.append(total_us)
-            reply = {"id": request.client_id, "ok": True, "outputs": header.get("outputs"),
-                     "tensors": header.get("tensors"), "worker": handle.worker_id,
-                     "timing": {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
-                                "compute_us": header.get("compute_us"), "total_us": total_us}}
+            timing = {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
+                      "compute_us": envelope.get("compute_us"), "total_us": total_us,
+                      "batch": envelope.get("batch", 1)}
+            header = protocol.add_to_map(_buffer(frames[0]), "timing", timing)
         else:
             handle.errors += 1
-            error = header.get("error") or {}
-            reply = protocol.error_header(request.client_id, error.get("code", protocol.INTERNAL),
-                                          error.get("message", "worker gave no message"))
-            reply["worker"] = handle.worker_id
-        self.finish(request, reply, frames)
+            header = frames[0]
+        self._answer(request, header, frames[1:])
 
     def _judge_probe(self, pool: "ModelPool", handle: WorkerHandle, probe: ProbeRequest,
-                     header: dict, frames: list) -> None:
+                     envelope: dict, frames: list) -> None:
         record = handle.probe
         if record.rid != probe.rid:  # answered after its timeout, already counted as a failure
             return
         record.inflight_since = record.rid = None
+        try:
+            header = protocol.unpack_header(_buffer(frames[0]), strict=False)
+        except ProtocolError as exc:
+            header = protocol.error_header(None, protocol.INTERNAL, exc.message)
         if not header.get("ok"):
             error = header.get("error") or {}
             verdict = Verdict(False, f"probe raised {error.get('code')}: {error.get('message')}")
         else:
             try:
                 descs = header.get("tensors") or []
-                outputs = decode_outputs(descs, frames)
-                record.latency_us = header.get("compute_us")
+                outputs = decode_outputs(descs, frames[1:])
+                record.latency_us = envelope.get("compute_us")
                 verdict = pool.judge.judge([desc["dtype"] for desc in descs], outputs,
                                            record.latency_us or 0, record.baseline_us)
             except Exception as exc:  # a worker answering garbage fails its probe
                 verdict = Verdict(False, f"probe answer unreadable: {exc}")
         pool.record_probe(handle, verdict)
 
-    def finish(self, request: Request, reply: dict, frames: list | None = None) -> None:
-        """Answer a request exactly once."""
+    def finish(self, request: Request, reply: dict) -> None:
+        """Answer a request exactly once (with a header the supervisor wrote: an error)."""
+        self._answer(request, protocol.pack(reply))
+
+    def _answer(self, request: Request, header, frames: list | None = None) -> None:
+        """Send the one answer: ``header`` is packed bytes (or a frame), ``frames`` its payload."""
         if request.done:
             return
         request.done = True
         self.arbiter.timers.cancel(request.timer)
         self.pending.pop(request.rid, None)
         self.request_bytes.give_back(request.connection, request.nbytes)
-        parts = [*request.route, SIGNATURE, protocol.pack(reply)]
+        parts = [*request.route, SIGNATURE, header]
         if frames:
             parts.extend(frames)
             dropped = self.replies.prepare(request.connection, parts, payload_bytes(frames))
@@ -270,9 +339,8 @@ class Router:
             return
         where = f"on {request.worker.worker_id}" if request.worker is not None else "in the queue"
         if request.worker is None:
-            pool = self.arbiter.pools[request.model]
             try:
-                pool.queue.remove(request)
+                self.queues[request.model].remove(request)
             except ValueError:
                 pass
         self.fail(request, TIMEOUT, f"no answer within the deadline (request was {where})")
@@ -288,6 +356,7 @@ class Router:
                 continue
             if request.done:
                 continue
+            request.alone = request.alone or request.batch_size > 1
             verdict = after_worker_death(request, pool.config.retries)
             if verdict is None:
                 retry.append(request)
@@ -295,7 +364,7 @@ class Router:
                 self.fail(request, verdict, self._death_message(verdict, handle))
         if retry:
             logger.warning("%s died holding %d request(s); retrying them", handle.worker_id, len(retry))
-            pool.queue.extendleft(reversed(retry))
+            self.queues[pool.name].extendleft(reversed(retry))
         self.dispatch(pool)
 
     @staticmethod
@@ -305,13 +374,19 @@ class Router:
         return f"worker {handle.worker_id} died holding the request (retries are off)"
 
     def fail_queue(self, pool: "ModelPool", code: str, message: str) -> None:
-        while pool.queue:
-            request = pool.queue.popleft()
+        queue = self.queues[pool.name]
+        while queue:
+            request = queue.popleft()
             self.fail(request, code, message)
 
     def fail_everything(self, code: str, message: str) -> None:
         for request in list(self.pending.values()):
             self.fail(request, code, message)
-        for pool in self.arbiter.pools.values():
-            pool.queue.clear()
+        for queue in self.queues.values():
+            queue.clear()
 
+
+
+def _buffer(frame):
+    """A zmq.Frame's bytes without a copy; bytes as they are."""
+    return frame.buffer if hasattr(frame, "buffer") else frame
