@@ -3,8 +3,8 @@
 The pool chooses; its host acts. Everything the pool needs from whoever runs it -- time, timers,
 spawning, stopping and signalling workers, and the notifications it sends back -- is the
 ``PoolHost`` protocol below; the Arbiter is one, the unit tests' FakeHost another. Which request
-goes to which worker is the router's business: the pool only says which worker is free
-(``least_loaded``) and tells the host when one became READY.
+goes to which worker is the router's business (the pool holds the model's ``queue`` for it): the
+pool only says which worker has room (``least_loaded``) and tells the host when one became READY.
 
 A *slot* (supervisor/slot.py) is a place for one worker; each incarnation on it is a WorkerHandle.
 The slot's state follows its current worker's while it has one, and is the policy's choice
