@@ -473,7 +473,7 @@ class Arbiter:
         self.notifier.watchdog()
         self.timers.call_at(self.clock() + self.notifier.watchdog_interval, self._watchdog)
 
-    # -- what pools and commands call -------------------------------------------------------
+    # -- what pools (PoolHost, supervisor/pool.py) and commands call ------------------------
 
     def worker_spec(self, config: ModelConfig, slot: int, generation: int,
                     placement: SlotPlacement) -> WorkerSpec:
@@ -514,7 +514,10 @@ class Arbiter:
     def send_stop(self, handle: WorkerHandle) -> None:
         send_parts(self.backend, [handle.identity, protocol.pack({"type": protocol.STOP})])
 
-    def dispatch(self, pool: ModelPool) -> None:
+    def signal_worker(self, handle: WorkerHandle, signum: int) -> None:
+        handle.signal(signum)
+
+    def on_worker_ready(self, pool: ModelPool) -> None:
         self.router.dispatch(pool)
 
     def recover_requests(self, pool: ModelPool, handle: WorkerHandle) -> None:

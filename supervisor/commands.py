@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from modelwarden.shared import __version__
 from modelwarden.shared.config import format_cores
 from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
-from modelwarden.shared.states import WorkerState
+from modelwarden.shared.states import SlotState
 from modelwarden.supervisor.handle import read_rss
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
     now = arbiter.clock()
     models, workers = [], []
     for pool in arbiter.pools.values():
-        fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == WorkerState.FATAL]
+        fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == SlotState.FATAL]
         models.append({"name": pool.name, "source": pool.config.source, "workers": len(pool.slots),
                        "ready": pool.ready_count(), "fatal_slots": fatal, "queued": arbiter.router.queued(pool),
                        "golden": pool.judge.golden is not None,
