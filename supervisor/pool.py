@@ -106,9 +106,10 @@ class ModelPool:
         """The READY worker with room and the fewest requests in flight; workers failing probes
         (or being replaced) only when nobody else has room; ties go to the least recently used."""
         best, best_key = None, None
+        limit = self.config.max_inflight
         for slot in self.slots:
-            for handle in slot.handles():
-                if not handle.has_room(self.config.max_inflight):
+            for handle in (slot.current, slot.previous):  # not slot.handles(): no list per call
+                if handle is None or not handle.has_room(limit):
                     continue
                 suspect = handle.probe.consecutive_failures > 0 or handle.retiring is not None
                 key = (suspect, len(handle.inflight), handle.last_dispatch)

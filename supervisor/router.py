@@ -52,6 +52,7 @@ class Router:
         self.queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.batches: dict[str, batching.BatchStats] = collections.defaultdict(batching.BatchStats)
         self._holds: dict[str, Any] = {}  # model -> the timer that sends its held partial batch
+        self._wanted: dict[str, "ModelPool"] = {}  # pools with new requests or freed workers
         self._rids = itertools.count(1)
         daemon = arbiter.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
@@ -103,7 +104,7 @@ class Router:
             request.queued_under_load = bool(queue) or pool.least_loaded() is None
         self.pending[request.rid] = request
         queue.append(request)
-        self.dispatch(pool)
+        self._wanted[pool.name] = pool
 
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
         """The tokens the request uses, each checked: registered, and the region inside it."""
@@ -122,6 +123,12 @@ class Router:
         return tuple(tokens)
 
     # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch_wanted(self) -> None:
+        """Dispatch every pool that got requests or freed workers since the last call (the
+        loop calls it once per poll round)."""
+        while self._wanted:
+            self.dispatch(self._wanted.popitem()[1])
 
     def queued(self, pool: "ModelPool") -> int:
         return len(self.queues[pool.name])
@@ -252,7 +259,7 @@ class Router:
         pool.after_result(handle)
         if handle.state == WorkerState.READY:
             self.send_due_probes(pool, [handle])
-        self.dispatch(pool)
+        self._wanted[pool.name] = pool
 
     def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
                       frames: list) -> None:
