@@ -16,7 +16,7 @@ import errno
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import zmq
 
@@ -33,8 +33,10 @@ from modelwarden.supervisor.probes import decode_outputs, Verdict
 from modelwarden.supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
 
 if TYPE_CHECKING:
-    from modelwarden.supervisor.arbiter import Arbiter
+    from modelwarden.shared.config import Settings
+    from modelwarden.supervisor.buffers import BufferRegistry
     from modelwarden.supervisor.pool import ModelPool
+    from modelwarden.supervisor.timers import Timers
 
 logger = logging.getLogger(__name__)
 
@@ -45,16 +47,43 @@ _RUN_PREFIX = (b"\x82" + protocol.pack("type") + protocol.pack(protocol.RUN)
                + protocol.pack("rid"))
 
 
+@runtime_checkable
+class RouterHost(Protocol):
+    """What the router needs from whoever runs it (the Arbiter; tests' FakeRouterHost):
+
+    * ``settings``: the daemon's limits; ``pools``: model name -> ModelPool (the router asks a
+      pool which worker has room, tells it of each result, and reads its config);
+    * ``clock()`` (monotonic seconds) and ``timers``: deadlines and batch holds;
+    * ``stopping``: new requests get SHUTTING_DOWN;
+    * ``registry`` and ``shm_offered(frontend)``: shared-memory regions are checked there;
+    * ``backend``: the ROUTER socket the workers are reached on (by routing id).
+    """
+
+    settings: "Settings"
+    pools: dict
+    timers: "Timers"
+    stopping: bool
+    registry: "BufferRegistry"
+    backend: zmq.Socket
+
+    def clock(self) -> float: ...
+
+    def shm_offered(self, frontend: int) -> bool: ...
+
+
 class Router:
-    def __init__(self, arbiter: "Arbiter") -> None:
-        self.arbiter = arbiter
+    """Every request's life, from acceptance to its one answer: the queues, what each worker
+    holds (``WorkerHandle.inflight``, written only here), the probes in flight, the deadlines."""
+
+    def __init__(self, host: RouterHost) -> None:
+        self.host = host
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
         self.queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.batches: dict[str, batching.BatchStats] = collections.defaultdict(batching.BatchStats)
         self._holds: dict[str, Any] = {}  # model -> the timer that sends its held partial batch
         self._wanted: dict[str, "ModelPool"] = {}  # pools with new requests or freed workers
         self._rids = itertools.count(1)
-        daemon = arbiter.settings.daemon
+        daemon = host.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
                                           daemon.max_request_bytes)
         self.replies = ReplyLedger(daemon.max_unread_bytes_per_connection, daemon.max_unread_bytes)
@@ -63,17 +92,17 @@ class Router:
 
     def accept_infer(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
                      header: dict) -> None:
-        arbiter = self.arbiter
+        host = self.host
         request_id = protocol.request_id_of(header)
         try:
-            if arbiter.stopping:
+            if host.stopping:
                 raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
             parsed = protocol.parse_infer(header, len(envelope.payload))
             protocol.frame_lengths_match(parsed.tensors, envelope.payload)
-            pool = arbiter.pools.get(parsed.model)
+            pool = host.pools.get(parsed.model)
             if pool is None:
                 raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
-                                    f"configured: {', '.join(arbiter.pools)}")
+                                    f"configured: {', '.join(host.pools)}")
             buffers = self._check_regions(connection[0], parsed)
             check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
             if pool.all_fatal():
@@ -91,12 +120,12 @@ class Router:
         except ProtocolError as exc:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
             return
-        now = arbiter.clock()
+        now = host.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
         request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
                           envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
                           connection=connection, nbytes=nbytes, buffers=buffers)
-        request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)
+        request.timer = host.timers.call_at(request.deadline, self.expire, request)
         request.arrived = now
         batch = pool.config.batching
         if batch.enabled:
@@ -111,10 +140,10 @@ class Router:
         tokens = parsed.buffers()
         if not tokens:
             return ()
-        if not self.arbiter.shm_offered(frontend):
+        if not self.host.shm_offered(frontend):
             raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
                                 "with daemon.shm = true")
-        registry = self.arbiter.registry
+        registry = self.host.registry
         for index, desc in enumerate(parsed.tensors):
             if desc.shm is not None:
                 registry.check(desc.shm, f"tensor {index}")
@@ -135,7 +164,7 @@ class Router:
 
     def dispatch(self, pool: "ModelPool") -> None:
         queue = self.queues[pool.name]
-        now = self.arbiter.clock()
+        now = self.host.clock()
         config = pool.config.batching
         while queue:
             handle = pool.least_loaded()
@@ -160,7 +189,7 @@ class Router:
         if until is None or until <= now:
             return False
         if pool.name not in self._holds:
-            self._holds[pool.name] = self.arbiter.timers.call_at(until, self._release, pool)
+            self._holds[pool.name] = self.host.timers.call_at(until, self._release, pool)
         return True
 
     def _release(self, pool: "ModelPool") -> None:
@@ -169,7 +198,7 @@ class Router:
 
     def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
         """Probes go out between real requests: to a worker with room whose probe is due."""
-        now = self.arbiter.clock()
+        now = self.host.clock()
         for handle in handles:
             if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
                 self._send_probe(handle, now)
@@ -180,7 +209,7 @@ class Router:
         missing = [token for token in request.buffers if token not in handle.buffers]
         if not missing:
             return True
-        registry = self.arbiter.registry
+        registry = self.host.registry
         buffers = [registry.get(token) for token in missing]
         if None in buffers:
             self.finish(request, protocol.error_header(
@@ -206,7 +235,7 @@ class Router:
 
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
         envelope = _RUN_PREFIX + protocol.pack(request.rid)
-        send_parts(self.arbiter.backend,
+        send_parts(self.host.backend,
                    [handle.identity, envelope, request.header_frame, *request.payload])
         self._mark_sent(handle, request, 1, now)
 
@@ -219,7 +248,7 @@ class Router:
         for member in members:
             parts.append(member.header_frame)
             parts.extend(member.payload)
-        send_parts(self.arbiter.backend, parts)
+        send_parts(self.host.backend, parts)
         for member in members:
             self._mark_sent(handle, member, len(members), now)
 
@@ -233,7 +262,7 @@ class Router:
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(next(self._rids), handle)
-        send_parts(self.arbiter.backend, [handle.identity, protocol.pack(
+        send_parts(self.host.backend, [handle.identity, protocol.pack(
             {"type": protocol.RUN, "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
         handle.probe.inflight_since = now
@@ -313,7 +342,7 @@ class Router:
         if request.done:
             return
         request.done = True
-        self.arbiter.timers.cancel(request.timer)
+        self.host.timers.cancel(request.timer)
         self.pending.pop(request.rid, None)
         self.request_bytes.give_back(request.connection, request.nbytes)
         parts = [*request.route, SIGNATURE, header]
