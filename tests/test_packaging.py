@@ -40,21 +40,27 @@ def wheel(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def venv(tmp_path_factory, wheel) -> Path:
-    """A fresh virtualenv with supervisord and PyPI's ``shared`` installed beside our wheel."""
-    root = tmp_path_factory.mktemp("venv") / "venv"
+def fresh_venv(root: Path, wheel: Path) -> Path:
+    """A new virtualenv at ``root`` holding our wheel, and the test's dependencies borrowed."""
     assert run([sys.executable, "-m", "venv", str(root)]).returncode == 0
     python = root / "bin" / "python"
-    pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    ours = run([*pip, "--no-deps", str(wheel)])
+    ours = run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                "--no-deps", str(wheel)])
     assert ours.returncode == 0, ours.stderr
-    theirs = run([*pip, "supervisor==4.*", "shared"])
-    if theirs.returncode != 0:
-        pytest.skip(f"PyPI not reachable to fetch supervisor and shared: {theirs.stderr[-300:]}")
     site = run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
     borrowed = sysconfig.get_paths()["purelib"]  # torch, pyzmq, msgpack... of the test's venv
     (Path(site.stdout.strip()) / "zz_borrowed_dependencies.pth").write_text(borrowed + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory, wheel) -> Path:
+    """A fresh virtualenv with supervisord and PyPI's ``shared`` installed beside our wheel."""
+    root = fresh_venv(tmp_path_factory.mktemp("venv") / "venv", wheel)
+    theirs = run([str(root / "bin" / "python"), "-m", "pip", "install", "-q",
+                  "--disable-pip-version-check", "supervisor==4.*", "shared"])
+    if theirs.returncode != 0:
+        pytest.skip(f"PyPI not reachable to fetch supervisor and shared: {theirs.stderr[-300:]}")
     return root
 
 
@@ -69,7 +75,7 @@ def test_the_wheel_holds_only_the_modelwarden_import_name(wheel):
     assert tops == {"modelwarden", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
-    for module in ("modelwarden/__init__.py", "modelwarden/supervisor/arbiter.py",
+    for module in ("modelwarden/__init__.py", "modelwarden/examples.py", "modelwarden/supervisor/arbiter.py",
                    "modelwarden/worker/main.py", "modelwarden/shared/client.py"):
         assert module in names
 
@@ -122,3 +128,51 @@ def test_serving_from_the_wheel_survives_uninstalling_supervisord(venv, tmp_path
     finally:
         daemon.terminate()
         daemon.wait(30)
+
+
+def test_the_documented_install_serves_the_shipped_config(wheel, tmp_path):
+    """docs/OPERATIONS.md "Install as a service", as far as it goes without systemd: a venv with
+    nothing but the wheel (and its dependencies), the production config copied verbatim, the
+    unit's ExecStartPre check, then the daemon serving that config's model from its own working
+    directory. Only what systemd would provide is replaced: the runtime directory (the unit's
+    RuntimeDirectory=) and its group (the unit's Group=), through MODELWARDEN_* overrides."""
+    venv = fresh_venv(tmp_path / "opt" / ".venv", wheel)
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    config = etc / "modelwarden.toml"
+    shutil.copy(ROOT / "systemd" / "modelwarden.toml", config)
+    run_dir = tmp_path / "run"
+    env = {key: value for key, value in os.environ.items()
+           if key != "PYTHONPATH" and not key.startswith("MODELWARDEN_")}
+    env.update(MODELWARDEN_DAEMON__RUNTIME_DIR=str(run_dir),
+               MODELWARDEN_DAEMON__FRONTEND=f'["ipc://{run_dir}/frontend.sock"]',
+               MODELWARDEN_DAEMON__CONTROL=f"ipc://{run_dir}/control.sock",
+               MODELWARDEN_DAEMON__SHM_GROUP="root", MODELWARDEN_MODELS__mlp__WORKERS="1")
+    modelwarden = str(venv / "bin" / "modelwarden")
+    check = run([modelwarden, "serve", "--check", "--config", str(config)], cwd=tmp_path / "opt", env=env)
+    assert check.returncode == 0 and "mlp#0" in check.stdout, check.stderr
+    daemon = subprocess.Popen([modelwarden, "serve", "--config", str(config)], cwd=tmp_path / "opt",
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        def ready() -> bool:
+            status = run([modelwarden, "status", "--control", f"ipc://{run_dir}/control.sock"],
+                         cwd=tmp_path, env=env)
+            return status.returncode == 0 and "1/1 ready" in status.stdout
+
+        poll_until(ready, timeout=120, interval=0.5, message="the shipped config's model READY")
+        client_code = (
+            "import torch\n"
+            "from modelwarden import Client\n"
+            "from modelwarden.examples import make_mlp\n"
+            "x = torch.randn(3, 64)\n"
+            f"with Client('ipc://{run_dir}/frontend.sock', timeout=10) as client:\n"
+            "    y = client.infer('mlp', x)\n"
+            "assert torch.allclose(y, make_mlp(hidden=256)(x), atol=1e-5), 'not the shipped model'\n"
+            "print(tuple(y.shape))\n"
+        )
+        served = python_in(venv, client_code, tmp_path)
+        assert served.returncode == 0 and "(3, 10)" in served.stdout, served.stderr
+    finally:
+        daemon.terminate()
+        _, errors = daemon.communicate(timeout=60)
+    assert daemon.returncode == 0, errors.decode(errors="replace")[-3000:]
