@@ -138,6 +138,8 @@ class ModelConfig(_Strict):
     start_timeout: float = Field(default=300.0, gt=0)
     start_seconds: float = Field(default=10.0, ge=0)
     max_start_failures: int = Field(default=5, ge=1)
+    ready_min: int | None = Field(default=None, ge=0, description=(
+        "READY workers the daemon waits for before telling systemd READY=1 (default: all)"))
     backoff_initial: float = Field(default=0.5, ge=0)
     backoff_max: float = Field(default=30.0, ge=0)
     kill_grace: float = Field(default=5.0, ge=0)
@@ -182,6 +184,8 @@ class ModelConfig(_Strict):
                 raise ValueError(f"cores lists {len(self.cores)} core sets for {self.workers} workers")
             if any(not cores for cores in self.cores):
                 raise ValueError("every core set in 'cores' needs at least one core")
+        if self.ready_min is not None and self.ready_min > self.workers:
+            raise ValueError(f"ready_min {self.ready_min} is more than the {self.workers} workers")
         if self.warmup > 0 and not self.inputs and self.probe.input is None:
             raise ValueError("warm-up needs an example input: declare 'inputs' or 'probe.input' "
                              "(or set warmup = 0)")
@@ -222,6 +226,7 @@ class DaemonConfig(_Strict):
     max_unread_bytes_per_connection: int = Field(default=64 * 1024**2, ge=1)
     max_unread_bytes: int = Field(default=1024**3, ge=1)
     graceful_timeout: float = Field(default=30.0, ge=0)
+    fatal_exits: bool = False  # exit with supervisor.health.EXIT_MODEL_FATAL when a model is all FATAL
     heartbeat_interval: float = Field(default=0.5, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"

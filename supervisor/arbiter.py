@@ -42,13 +42,14 @@ from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
 from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
 from modelwarden.supervisor.limits import check_message
 from modelwarden.supervisor.handle import WorkerHandle
+from modelwarden.supervisor.health import EXIT_MODEL_FATAL, daemon_health
 from modelwarden.supervisor.placement import SlotPlacement, plan
 from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
 from modelwarden.supervisor.router import Router
 from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
                                             claim_private_dir, claim_runtime_dir, restrict_socket)
-from modelwarden.supervisor.systemd import Notifier
+from modelwarden.supervisor.systemd import Notifier, ServiceReporter
 from modelwarden.supervisor.timers import Timers
 from modelwarden.supervisor.workerauth import BackendGate, new_credentials
 from modelwarden.worker import main as worker_main
@@ -70,6 +71,8 @@ class Arbiter:
         self.registry = BufferRegistry()
         self.buffer_channel: ChannelServer | None = None
         self.notifier = Notifier()
+        self.service = ServiceReporter(self.notifier)
+        self.exit_code = 0
         placements = placements or plan(settings)
         self.pools: dict[str, ModelPool] = {
             model.name: ModelPool(model, placements[model.name], self, self._judge_for(model))
@@ -122,14 +125,14 @@ class Arbiter:
         logger.info("modelwarden %s serving %s on %s (control %s, admin %s)", __version__,
                     ", ".join(self.pools) or "no models", " ".join(self.settings.frontends),
                     self.settings.control_endpoint, self.settings.admin_endpoint)
-        self.notifier.ready(self._summary())
+        self._report_health()
         gc.freeze()  # start-up objects live forever: keep the collector from rescanning them
         try:
             self._loop()
         finally:
             self._close()
         logger.info("stopped")
-        return 0
+        return self.exit_code
 
     def _loop(self) -> None:
         while not (self.stopping and not self._by_sentinel):
@@ -264,10 +267,16 @@ class Arbiter:
         if self._lock is not None:
             self._lock.close()
 
-    def _summary(self) -> str:
-        ready = sum(pool.ready_count() for pool in self.pools.values())
-        total = sum(len(pool.slots) for pool in self.pools.values())
-        return f"{ready}/{total} workers ready"
+    def _report_health(self) -> None:
+        """Tell systemd what changed (READY=1 only once every model has its minimum READY);
+        with ``fatal_exits``, a model beyond help stops the daemon with EXIT_MODEL_FATAL."""
+        health = daemon_health(self.pools.values())
+        self.service.update(health, self.stopping)
+        if health.dead and self.settings.daemon.fatal_exits and not self.stopping:
+            logger.critical("every worker of %s is FATAL: stopping with exit code %d (fatal_exits)",
+                            ", ".join(health.dead), EXIT_MODEL_FATAL)
+            self.exit_code = EXIT_MODEL_FATAL
+            self.request_stop("fatal_exits")
 
     # -- events -----------------------------------------------------------------------------
 
@@ -283,6 +292,7 @@ class Arbiter:
                 if self.zap is not None:
                     self.zap.reload()
                 logger.info("SIGHUP: rolling restart of every model")
+                self.service.reload_started(daemon_health(self.pools.values()))
                 self.restart(None)
 
     def _on_frontend(self, index: int) -> None:
@@ -406,7 +416,7 @@ class Arbiter:
             handle.cuda_bytes = header.get("cuda_bytes")
         elif kind == protocol.STATE:
             pool.on_worker_state(handle, header.get("state"), header.get("info") or {})
-            self.notifier.status(self._summary())
+            self._report_health()
         elif kind == protocol.FAILED:
             handle.failure = f"{header.get('stage')}: {header.get('message')}"
             pool.slot_of(handle).failure = handle.failure
@@ -426,7 +436,7 @@ class Arbiter:
             self.pools[gone.spec.model.name].mark_exited(gone)
         for gone in dead:
             self.pools[gone.spec.model.name].on_exit(gone)
-        self.notifier.status(self._summary())
+        self._report_health()
 
     def _dead_now(self) -> list[WorkerHandle]:
         ready = multiprocessing.connection.wait(list(self._by_sentinel), timeout=0)
@@ -459,6 +469,7 @@ class Arbiter:
             self.router.dispatch(pool)
         self.connections.tick()
         self.router.replies.sweep()
+        self._report_health()
         if self.stopping:
             self._shutdown_step(now)
 

@@ -1,7 +1,18 @@
-"""systemd glue: sd_notify over $NOTIFY_SOCKET (READY, STATUS, STOPPING, WATCHDOG).
+"""systemd glue: sd_notify over $NOTIFY_SOCKET (READY, RELOADING, STATUS, STOPPING, WATCHDOG).
 
 No dependency on libsystemd: the protocol is one datagram per message. Without
 $NOTIFY_SOCKET every call is a no-op, so the daemon runs the same under a terminal.
+
+What the daemon promises (``ServiceReporter``, fed with supervisor.health's view of the pools):
+  * ``READY=1`` once every model has ``ready_min`` READY workers -- not when they are spawned --
+    so ``systemctl start`` returns when requests can be served; until then ``STATUS=`` says
+    what it waits for;
+  * ``STATUS=`` whenever it changes: "N/M workers ready", what READY waits for, FATAL slots, and
+    a model whose every slot is FATAL;
+  * a reload (SIGHUP) opens with ``RELOADING=1`` and ``MONOTONIC_USEC=`` (CLOCK_MONOTONIC, as
+    systemd requires) and closes with ``READY=1`` once the daemon is ready again and no old
+    worker is still waiting for its replacement;
+  * ``STOPPING=1`` when it starts to drain; ``WATCHDOG=1`` from the poll loop.
 """
 
 from __future__ import annotations
@@ -9,6 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
+
+from modelwarden.supervisor.health import Health
 
 logger = logging.getLogger(__name__)
 
@@ -49,3 +63,40 @@ class Notifier:
 
     def watchdog(self) -> None:
         self.notify("WATCHDOG=1")
+
+    def reloading(self, status: str) -> None:
+        usec = time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000
+        self.notify(f"RELOADING=1\nMONOTONIC_USEC={usec}\nSTATUS={status}")
+
+
+class ServiceReporter:
+    """Turns the daemon's health into READY/RELOADING/STATUS messages, each sent once: the
+    loop may report as often as it likes (every tick), only changes reach systemd."""
+
+    def __init__(self, notifier: Notifier) -> None:
+        self.notifier = notifier
+        self.announced = False  # READY=1 sent at least once
+        self.reloading = False  # RELOADING=1 sent, its READY=1 not yet
+        self._last_status: str | None = None
+
+    def reload_started(self, health: Health) -> None:
+        if not self.announced:
+            return  # still starting: the first READY=1 covers the reload too
+        self.reloading = True
+        self._last_status = "reloading; " + health.status_line()
+        self.notifier.reloading(self._last_status)
+
+    def update(self, health: Health, stopping: bool) -> None:
+        status = health.status_line()
+        if self.reloading:
+            status = "reloading; " + status
+        if not stopping and not self.announced and health.ready:
+            self.announced = True
+            self.notifier.ready(status)
+        elif not stopping and self.reloading and health.settled:
+            self.reloading = False
+            status = health.status_line()
+            self.notifier.ready(status)
+        elif status != self._last_status:
+            self.notifier.status(status)
+        self._last_status = status

@@ -21,6 +21,8 @@ Faults:
   nan         returns NaN
   load_error  raises while loading (the worker exits with code 4)
   load_hang   never returns from loading (the worker never reports READY)
+
+``load_delay=S`` makes loading take S seconds more, whatever the fault (a big model's load).
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class Faulty(nn.Module):
 
 def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = None,
                 leak_mb: int = 32, scale: float = 0.5, delay: float = 0.0,
-                once: str | None = None) -> nn.Module:
+                once: str | None = None, load_delay: float = 0.0) -> nn.Module:
+    if load_delay:
+        threading.Event().wait(load_delay)  # a model that takes this long to load, any fault
     if fault == "load_error":
         raise RuntimeError("this model refuses to load (test fault)")
     if fault == "load_hang":
