@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-stamp
 TORCH   ?= torch==2.13.0
 CONFIG  ?= examples/modelwarden.toml
 
-.PHONY: install run test test-fast bench soak mutants lint clean
+.PHONY: install run test test-fast test-systemd bench soak mutants lint clean
 
 install: $(STAMP)
 
@@ -25,6 +25,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The unit under a real systemd booted in a container (root; about 3 minutes). Also in `make test`.
+test-systemd: $(STAMP)
+	$(PY) -m pytest -q -m systemd tests/test_systemd.py
 
 bench: $(STAMP)
 	$(PY) bench/payloads.py

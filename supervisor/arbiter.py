@@ -49,7 +49,7 @@ from modelwarden.supervisor.probes import ProbeJudge, load_golden
 from modelwarden.supervisor.router import Router
 from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
                                             claim_private_dir, claim_runtime_dir, restrict_socket)
-from modelwarden.supervisor.systemd import Notifier, ServiceReporter
+from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
 from modelwarden.supervisor.timers import Timers
 from modelwarden.supervisor.workerauth import BackendGate, new_credentials
 from modelwarden.worker import main as worker_main
@@ -264,6 +264,7 @@ class Arbiter:
         if self.zap is not None:
             self.zap.stop()
         self.context.term()
+        stop_resource_tracker()
         if self._lock is not None:
             self._lock.close()
 

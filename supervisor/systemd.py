@@ -18,6 +18,7 @@ What the daemon promises (``ServiceReporter``, fed with supervisor.health's view
 from __future__ import annotations
 
 import logging
+import multiprocessing.resource_tracker
 import os
 import socket
 import time
@@ -100,3 +101,17 @@ class ServiceReporter:
         elif status != self._last_status:
             self.notifier.status(status)
         self._last_status = status
+
+
+def stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker (spawn starts it with the first worker) and reap
+    it. It would leave by itself once the supervisor's end of its pipe closes, but only after the
+    supervisor has gone, and KillMode=mixed SIGKILLs whatever is left in the unit by then: an
+    ERROR-looking "Killing process ... with signal SIGKILL" at every clean stop."""
+    tracker = multiprocessing.resource_tracker._resource_tracker
+    stop = getattr(tracker, "_stop", None)  # private, in every CPython from 3.8 to 3.13
+    if stop is not None:
+        try:
+            stop()
+        except (OSError, ChildProcessError) as exc:
+            logger.debug("resource tracker: %s", exc)
