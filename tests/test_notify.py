@@ -11,6 +11,7 @@ RELOADING=1 or whose READY=1 comes before the old workers are gone.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import threading
@@ -19,7 +20,7 @@ import time
 import pytest
 
 from modelwarden.supervisor.health import EXIT_MODEL_FATAL
-from tests.helpers import Daemon, alive, faulty_model, poll_until
+from tests.helpers import Daemon, alive, children_of, cmdline, faulty_model, poll_until
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +143,15 @@ def test_a_reload_is_framed_by_reloading_and_ready(notify):
         assert gone == before, f"old workers still running at READY=1: {set(before) - set(gone)}"
         assert not set(before) & set(daemon.worker_pids())
         assert any(line.startswith("reloading; ") for line in statuses(notify.messages[start:]))
+
+
+def test_the_resource_tracker_is_reaped_before_the_supervisor_exits():
+    """Under KillMode=mixed whatever is left in the unit when the supervisor exits is SIGKILLed:
+    the supervisor stops multiprocessing's resource tracker itself and reaps it, so once the
+    supervisor is gone the tracker is not even a zombie (left to itself it would still be
+    shutting down, orphaned)."""
+    with Daemon([faulty_model("plain", workers=1, **QUICK)]) as daemon:
+        daemon.wait_ready()
+        (tracker,) = [pid for pid in children_of(daemon.process.pid) if "resource_tracker" in cmdline(pid)]
+        assert daemon.stop() == 0
+        assert not os.path.exists(f"/proc/{tracker}"), f"resource tracker {tracker} outlived the supervisor"

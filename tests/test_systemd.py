@@ -7,7 +7,8 @@ namespace (``unshare -m``: the mounts vanish with it). In it, before the boot: a
 the user ``modelwarden``, a venv made with /usr/bin/python3 (so that user can run it) holding our
 wheel, the unit and the config. The venv borrows torch and the other dependencies from the
 tests' own environment, bound read-only into the container. One drop-in shortens timings only
-(WatchdogSec=3, RestartSec=1); the hardening is the shipped unit's.
+(WatchdogSec=8, RestartSec=1: a SIGSTOPped supervisor is found out in seconds, yet one starting
+on a loaded machine is not mistaken for a hung one); the hardening is the shipped unit's.
 
 Checks, in order, against the one container: ``systemctl start`` returns only once every worker
 is READY; journald keeps each line's priority (``journalctl -p warning``); ``systemctl reload``
@@ -68,7 +69,7 @@ for site in "$root"/opt/modelwarden/.venv/lib/python3*/site-packages; do
 done
 cp "$unit" "$root/etc/systemd/system/modelwarden.service"
 cp "$config" "$root/etc/modelwarden/modelwarden.toml"
-printf '[Service]\\nWatchdogSec=3\\nRestartSec=1\\n' > "$root/etc/systemd/system/modelwarden.service.d/timings.conf"
+printf '[Service]\\nWatchdogSec=8\\nRestartSec=1\\n' > "$root/etc/systemd/system/modelwarden.service.d/timings.conf"
 echo prepared
 exec systemd-nspawn -D "$root" --register=no --keep-unit --private-network \\
   --bind-ro="$deps:$DEPS_IN_CONTAINER" -b
