@@ -300,7 +300,9 @@ def test_sigterm_stops_every_worker_and_exits_zero(tmp_path):
     with Daemon([mlp_model()], env={"NOTIFY_SOCKET": notify_path}) as running:
         running.wait_ready()
         messages = [notify.recv(4096).decode()]
-        assert "READY=1" in messages[0] and f"MAINPID={running.process.pid}" in messages[0]
+        while "READY=1" not in messages[-1]:  # STATUS= lines come first, while workers load
+            messages.append(notify.recv(4096).decode())
+        assert f"MAINPID={running.process.pid}" in messages[-1]
         pids = running.worker_pids()
         assert running.stop() == 0
         for pid in pids:
