@@ -11,7 +11,8 @@ tests' own environment, bound read-only into the container. One drop-in shortens
 on a loaded machine is not mistaken for a hung one); the hardening is the shipped unit's.
 
 Checks, in order, against the one container: ``systemctl start`` returns only once every worker
-is READY; journald keeps each line's priority (``journalctl -p warning``); ``systemctl reload``
+is READY; shared memory (memfds over buffers.sock) and core pinning work under the hardening;
+journald keeps each line's priority (``journalctl -p warning``); ``systemctl reload``
 returns only once every worker has been replaced (RELOADING=1, then READY=1);
 a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl stop`` leaves no
 process, socket or buffer; ``systemd-analyze security`` rates the unit at most 2.0.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -188,6 +190,28 @@ def test_start_returns_only_once_every_worker_is_ready(container):
     shown = container.show("ActiveState", "StatusText")
     assert shown["ActiveState"] == "active" and shown["StatusText"] == "2/2 workers ready", shown
     assert container.out(f"stat -c '%U %a' /run/modelwarden") == "modelwarden 750"
+
+
+CLIENT = """
+import torch
+from modelwarden import Client
+from modelwarden.examples import make_mlp
+from modelwarden.shared.client import control_request
+x = torch.randn(512, 64)  # 128 KiB: over shm_threshold, so it travels in a memfd
+with Client("ipc:///run/modelwarden/frontend.sock", timeout=30) as client:
+    y = client.infer("mlp", x)
+    status = control_request("ipc:///run/modelwarden/control.sock", {"type": "status"})["status"]
+    assert torch.allclose(y, make_mlp(hidden=256)(x), atol=1e-5), "not the shipped model's answer"
+    print(status["daemon"]["buffers"])
+"""
+
+
+def test_shared_memory_and_core_pinning_work_under_the_hardening(container):
+    buffers = container.out(f"/opt/modelwarden/.venv/bin/python -c {shlex.quote(CLIENT)}")
+    assert int(buffers) >= 1, buffers  # the client's memfd was registered on buffers.sock
+    for worker in container.status()["workers"]:
+        allowed = container.out(f"grep Cpus_allowed_list /proc/{worker['pid']}/status").split()[-1]
+        assert allowed == ",".join(str(core) for core in worker["cores"]), (worker, allowed)
 
 
 def test_journald_keeps_each_lines_priority(container):
