@@ -4,14 +4,15 @@ shipped, installed as docs/OPERATIONS.md says, in a container that boots systemd
 The container is this machine's own root, seen through an overlay whose upper layer is a tmpfs
 (so nothing it does reaches the host), booted with ``systemd-nspawn -b`` in a private mount
 namespace (``unshare -m``: the mounts vanish with it). In it, before the boot: a fresh machine id,
-the user ``modelwarden``, a venv made with /usr/bin/python3 (so that user can run it) holding our
+the user ``modelwarden`` and a client user in its group, a venv made with /usr/bin/python3 (so that user can run it) holding our
 wheel, the unit and the config. The venv borrows torch and the other dependencies from the
 tests' own environment, bound read-only into the container. One drop-in shortens timings only
 (WatchdogSec=8, RestartSec=1: a SIGSTOPped supervisor is found out in seconds, yet one starting
 on a loaded machine is not mistaken for a hung one); the hardening is the shipped unit's.
 
 Checks, in order, against the one container: ``systemctl start`` returns only once every worker
-is READY; shared memory (memfds over buffers.sock) and core pinning work under the hardening;
+is READY; shared memory (memfds over buffers.sock, from a client of another user in the group)
+and core pinning work under the hardening;
 journald keeps each line's priority (``journalctl -p warning``); ``systemctl reload``
 returns only once every worker has been replaced (RELOADING=1, then READY=1);
 a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl stop`` leaves no
@@ -61,6 +62,7 @@ mount --rbind /dev "$root/dev"
 mount -t proc proc "$root/proc"
 chroot "$root" /bin/sh -e -c '
   useradd --system --user-group --home /opt/modelwarden modelwarden
+  useradd --no-create-home --groups modelwarden --shell /usr/sbin/nologin mwclient
   install -d /opt/modelwarden /etc/modelwarden /etc/systemd/system/modelwarden.service.d
   /usr/bin/python3 -m venv /opt/modelwarden/.venv
   /opt/modelwarden/.venv/bin/pip install -q --no-index --no-deps --disable-pip-version-check /tmp/*.whl
@@ -207,7 +209,9 @@ with Client("ipc:///run/modelwarden/frontend.sock", timeout=30) as client:
 
 
 def test_shared_memory_and_core_pinning_work_under_the_hardening(container):
-    buffers = container.out(f"/opt/modelwarden/.venv/bin/python -c {shlex.quote(CLIENT)}")
+    # a client as the docs have it: another user, a member of the daemon's group (shm_group)
+    buffers = container.out("cd / && runuser -u mwclient -- /opt/modelwarden/.venv/bin/python -c "
+                            + shlex.quote(CLIENT))
     assert int(buffers) >= 1, buffers  # the client's memfd was registered on buffers.sock
     for worker in container.status()["workers"]:
         allowed = container.out(f"grep Cpus_allowed_list /proc/{worker['pid']}/status").split()[-1]
