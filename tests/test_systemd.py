@@ -3,20 +3,21 @@ shipped, installed as docs/OPERATIONS.md says, in a container that boots systemd
 
 The container is this machine's own root, seen through an overlay whose upper layer is a tmpfs
 (so nothing it does reaches the host), booted with ``systemd-nspawn -b`` in a private mount
-namespace (``unshare -m``: the mounts vanish with it). In it, before the boot: a fresh machine id,
-the user ``modelwarden`` and a client user in its group, a venv made with /usr/bin/python3 (so that user can run it) holding our
-wheel, the unit and the config. The venv borrows torch and the other dependencies from the
-tests' own environment, bound read-only into the container. One drop-in shortens timings only
-(WatchdogSec=8, RestartSec=1: a SIGSTOPped supervisor is found out in seconds, yet one starting
-on a loaded machine is not mistaken for a hung one); the hardening is the shipped unit's.
+namespace (``unshare -m``: the mounts vanish with it). In it, before the boot: a fresh machine
+id, the user ``modelwarden`` and a client user in its group, a venv made with /usr/bin/python3
+(so that user can run it) holding our wheel, the unit and the config. The venv borrows torch
+and the other dependencies from the tests' own environment, bound read-only into the container.
+One drop-in shortens timings only (WatchdogSec=8, RestartSec=1: a SIGSTOPped supervisor is found
+out in seconds, yet one starting on a loaded machine is not mistaken for a hung one); the
+hardening is the shipped unit's.
 
 Checks, in order, against the one container: ``systemctl start`` returns only once every worker
 is READY; shared memory (memfds over buffers.sock, from a client of another user in the group)
-and core pinning work under the hardening;
-journald keeps each line's priority (``journalctl -p warning``); ``systemctl reload``
-returns only once every worker has been replaced (RELOADING=1, then READY=1);
-a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl stop`` leaves no
-process, socket or buffer; ``systemd-analyze security`` rates the unit at most 2.0.
+and core pinning work under the hardening; journald keeps each line's priority (``journalctl -p
+warning``); ``systemctl reload`` returns only once every worker has been replaced (RELOADING=1,
+then READY=1); a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl
+stop`` leaves no process, socket or buffer; ``systemd-analyze security`` rates the unit at most
+2.0.
 
 Needs root, systemd-nspawn (installed with apt-get when missing and reachable) and an overlay
 mount; skips saying which is missing. ``make test-systemd`` runs it alone.
@@ -73,7 +74,8 @@ for site in "$root"/opt/modelwarden/.venv/lib/python3*/site-packages; do
 done
 cp "$unit" "$root/etc/systemd/system/modelwarden.service"
 cp "$config" "$root/etc/modelwarden/modelwarden.toml"
-printf '[Service]\\nWatchdogSec=8\\nRestartSec=1\\n' > "$root/etc/systemd/system/modelwarden.service.d/timings.conf"
+printf '[Service]\\nWatchdogSec=8\\nRestartSec=1\\n' \\
+  > "$root/etc/systemd/system/modelwarden.service.d/timings.conf"
 echo prepared
 exec systemd-nspawn -D "$root" --register=no --keep-unit --private-network \\
   --bind-ro="$deps:$DEPS_IN_CONTAINER" -b
