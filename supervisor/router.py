@@ -265,8 +265,7 @@ class Router:
         send_parts(self.host.backend, [handle.identity, protocol.pack(
             {"type": protocol.RUN, "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
-        handle.probe.inflight_since = now
-        handle.probe.rid = probe.rid
+        handle.probe.sent(probe.rid, now)
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -314,7 +313,7 @@ class Router:
         record = handle.probe
         if record.rid != probe.rid:  # answered after its timeout, already counted as a failure
             return
-        record.inflight_since = record.rid = None
+        record.settle()
         try:
             header = protocol.unpack_header(_buffer(frames[0]), strict=False)
         except ProtocolError as exc:
@@ -388,7 +387,7 @@ class Router:
         retry = []
         for request in held:
             if isinstance(request, ProbeRequest):
-                handle.probe.inflight_since = handle.probe.rid = None
+                handle.probe.settle()
                 continue
             if request.done:
                 continue
