@@ -384,12 +384,12 @@ def parse_tensors(value: Any) -> list[TensorDesc]:
     return descs
 
 
-def check_tree(tree: Any, n_tensors: int) -> None:
+def check_tree(tree: Any, n_tensors: int, what: str = "'inputs'") -> None:
     """TREE must use every tensor index exactly once, within the depth limit."""
     seen: set[int] = set()
     _walk_tree(tree, n_tensors, seen, 0)
     if len(seen) != n_tensors:
-        raise bad(f"'inputs' uses {len(seen)} of {n_tensors} tensors; every tensor exactly once")
+        raise bad(f"{what} uses {len(seen)} of {n_tensors} tensors; every tensor exactly once")
 
 
 def _walk_tree(node: Any, n_tensors: int, seen: set[int], depth: int) -> None:
