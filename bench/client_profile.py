@@ -10,7 +10,9 @@ each for ``--seconds``:
   submit-4MiB-8/-64  W3 of issue 9: 4 MiB over shared memory, 8 and 64 in flight
   async-4MiB-8/-64   the same through AsyncClient
   threads-4MiB-64    the same, 64 threads each calling ``Client.infer``
-Per point: requests/s, p50, p99, and the CPU per request of this process (all its threads) and of
+Without ``--warm`` a concurrent point starts cold: its first burst grows the client's arena (one
+4 MiB buffer per request in flight), which is what a short run mostly measures. Per point:
+requests/s, p50, p99, and the CPU per request of this process (all its threads) and of
 the supervisor (from /proc/<pid>/stat). ``--profile`` prints the client's top functions
 (cProfile, cumulative) for rt-1KiB and submit-1KiB-64.
 """
@@ -114,8 +116,11 @@ def run_sequential(client: Client, x: torch.Tensor, seconds: float, meter: Meter
     return summary(latencies, meter.elapsed, meter.cpu)
 
 
-def run_submit(client: Client, x: torch.Tensor, inflight: int, seconds: float, meter: Meter) -> dict:
+def run_submit(client: Client, x: torch.Tensor, inflight: int, seconds: float, meter: Meter,
+               warm: float = 0.0) -> dict:
     """Closed loop: each completion submits the next request, ``inflight`` at all times."""
+    if warm:
+        run_submit(client, x, inflight, warm, Meter(meter.supervisor))
     latencies: list[int] = []
     lock = threading.Condition()
     state = {"open": 0, "stop": False}
@@ -148,7 +153,10 @@ def run_submit(client: Client, x: torch.Tensor, inflight: int, seconds: float, m
     return summary(latencies, meter.elapsed, meter.cpu)
 
 
-def run_threads(client: Client, x: torch.Tensor, inflight: int, seconds: float, meter: Meter) -> dict:
+def run_threads(client: Client, x: torch.Tensor, inflight: int, seconds: float, meter: Meter,
+                warm: float = 0.0) -> dict:
+    if warm:
+        run_threads(client, x, inflight, warm, Meter(meter.supervisor))
     latencies: list[int] = []
     stop = threading.Event()
 
@@ -169,7 +177,8 @@ def run_threads(client: Client, x: torch.Tensor, inflight: int, seconds: float, 
     return summary(latencies, meter.elapsed, meter.cpu)
 
 
-def run_async(endpoint: str, x: torch.Tensor, inflight: int, seconds: float, meter: Meter) -> dict:
+def run_async(endpoint: str, x: torch.Tensor, inflight: int, seconds: float, meter: Meter,
+              warm: float = 0.0) -> dict:
     async def main() -> dict:
         latencies: list[int] = []
         async with AsyncClient(endpoint) as client:
@@ -183,6 +192,10 @@ def run_async(endpoint: str, x: torch.Tensor, inflight: int, seconds: float, met
                     await client.infer("identity", x)
                     latencies.append(time.perf_counter_ns() - started)
 
+            if warm:
+                end = time.perf_counter() + warm
+                await asyncio.gather(*(loop(end) for _ in range(inflight)))
+                latencies.clear()
             with meter:
                 end = time.perf_counter() + seconds
                 await asyncio.gather(*(loop(end) for _ in range(inflight)))
@@ -206,6 +219,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--only", action="append", help="run only these points (repeatable)")
+    parser.add_argument("--warm", type=float, default=0.0,
+                        help="run each concurrent point this long before measuring (the first "
+                        "burst at N in flight grows the client's arena to N buffers)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="mwcp-", dir="/tmp"))
     daemon = start_daemon(workdir, args.workers)
@@ -215,13 +231,13 @@ def main() -> int:
     wrap = profiled if args.profile else (lambda call: call())
     points = {
         "rt-1KiB": lambda c: wrap(lambda: run_sequential(c, small, args.seconds, meter)),
-        "submit-1KiB-64": lambda c: wrap(lambda: run_submit(c, small, 64, args.seconds, meter)),
-        "async-1KiB-64": lambda c: run_async(endpoint, small, 64, args.seconds, meter),
-        "submit-4MiB-8": lambda c: run_submit(c, big, 8, args.seconds, meter),
-        "submit-4MiB-64": lambda c: run_submit(c, big, 64, args.seconds, meter),
-        "async-4MiB-8": lambda c: run_async(endpoint, big, 8, args.seconds, meter),
-        "async-4MiB-64": lambda c: run_async(endpoint, big, 64, args.seconds, meter),
-        "threads-4MiB-64": lambda c: run_threads(c, big, 64, args.seconds, meter),
+        "submit-1KiB-64": lambda c: wrap(lambda: run_submit(c, small, 64, args.seconds, meter, args.warm)),
+        "async-1KiB-64": lambda c: run_async(endpoint, small, 64, args.seconds, meter, args.warm),
+        "submit-4MiB-8": lambda c: run_submit(c, big, 8, args.seconds, meter, args.warm),
+        "submit-4MiB-64": lambda c: run_submit(c, big, 64, args.seconds, meter, args.warm),
+        "async-4MiB-8": lambda c: run_async(endpoint, big, 8, args.seconds, meter, args.warm),
+        "async-4MiB-64": lambda c: run_async(endpoint, big, 64, args.seconds, meter, args.warm),
+        "threads-4MiB-64": lambda c: run_threads(c, big, 64, args.seconds, meter, args.warm),
     }
     try:
         for name, point in points.items():

@@ -105,15 +105,18 @@ def parse_reply_tensors(descs: Any, frames: list, shm: bool = True) -> list[Tens
         tensors = parse_tensors(descs)
     except ProtocolError as exc:
         raise malformed(exc.message) from None
-    inline = sum(1 for desc in tensors if desc.frame is not None)
+    inline = 0
+    for desc in tensors:
+        if desc.frame is not None:
+            inline += 1
+        elif not shm:
+            raise malformed("a shared-memory descriptor where only inline tensors may come")
     if inline != len(frames):
         raise malformed(f"{inline} inline tensors but {len(frames)} payload frames")
     try:
         frame_lengths_match(tensors, frames)
     except ProtocolError as exc:
         raise malformed(exc.message) from None
-    if not shm and any(desc.shm is not None for desc in tensors):
-        raise malformed("a shared-memory descriptor where only inline tensors may come")
     return tensors
 
 

@@ -330,7 +330,10 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 def parse_shape(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_DIMS:
         raise bad(f"{what}: 'shape' must be a list of at most {MAX_DIMS} ints")
-    return tuple(require_uint(dim, f"{what}: every dimension", MAX_TENSOR_BYTES) for dim in value)
+    for dim in value:  # checked inline: this runs for every tensor of every request and reply
+        if type(dim) is not int or not 0 <= dim <= MAX_TENSOR_BYTES:
+            require_uint(dim, f"{what}: every dimension", MAX_TENSOR_BYTES)  # raises
+    return tuple(value)
 
 
 def parse_token(value: Any, what: str) -> str:
