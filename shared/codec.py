@@ -113,14 +113,18 @@ def raw_bytes(tensor: torch.Tensor):
 
 def from_bytes(buffer: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``buffer`` (a frame's memoryview, or a numpy uint8 array over shared
-    memory), without a copy. The tensor keeps the buffer alive (numpy holds its base, torch the
-    array). Built through numpy: on a client whose caches the daemon's processes keep evicting,
-    numpy's few calls cost a fraction of torch.frombuffer's."""
+    memory), without a copy. The tensor keeps ``buffer`` itself alive: a finalizer on it (the
+    client's region release) runs only once the tensor is gone."""
     if isinstance(buffer, np.ndarray):
-        array = buffer.view(NUMPY_VIEWS[dtype]).reshape(shape)
-    else:
-        array = np.frombuffer(buffer, dtype=NUMPY_VIEWS[dtype]).reshape(shape)
-    tensor = torch.from_numpy(array)
+        # torch holds this very array; a numpy view of it would hold only its memory's owner.
+        flat = torch.from_numpy(buffer)
+        if dtype != "uint8":
+            flat = flat.view(TORCH_DTYPES[dtype])
+        return flat.reshape(shape)
+    # A frame: numpy's two calls cost a fraction of torch.frombuffer + reshape on a client whose
+    # caches the daemon's processes keep evicting. The array holds the memoryview, which holds
+    # the frame.
+    tensor = torch.from_numpy(np.frombuffer(buffer, dtype=NUMPY_VIEWS[dtype]).reshape(shape))
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 

@@ -82,8 +82,15 @@ def test_an_output_written_in_the_out_region_keeps_it_reserved(session):
     written = {"dtype": "float32", "shape": [4096], "shm": [token, offset, x.nbytes]}
     y = session.decode(pending, session.read(reply_with(header, pending, written), []), [])
     assert torch.equal(y, 2 * x)
+    for _ in range(3):  # y holds its region: no later request may be handed it
+        messages, pending = session.build("double", x, 5.0)
+        out = request_header(messages)["out"]
+        assert out[0] != token and out[2] >= x.nbytes
+        session.release(pending)
+    assert torch.equal(y, 2 * x)
+    del y
     messages, pending = session.build("double", x, 5.0)
-    assert request_header(messages)["out"][2] >= x.nbytes
+    assert token in pending.tokens  # freed with the tensor: reused
     session.release(pending)
 
 
@@ -95,7 +102,8 @@ def test_a_large_output_that_came_inline_asks_for_room_next_time(session):
     inline = {"dtype": "float32", "shape": [2048], "frame": 0}
     frames = [zmq.Frame(big.numpy().tobytes())]
     y = session.decode(pending, session.read(reply_with({}, pending, inline), frames), frames)
-    assert torch.equal(y, big)
+    del frames
+    assert torch.equal(y, big)  # the tensor keeps its frame alive
     messages, pending = session.build("grow", small, 5.0)
     assert request_header(messages)["out"][2] >= big.nbytes
     session.release(pending)
