@@ -171,6 +171,13 @@ def encode(value: Any, place: Placement) -> Encoded:
     or dtype that cannot travel."""
     leaves: list = []
     tree = flatten(value, leaves)
+    descs, frames = encode_leaves(leaves, place)
+    return Encoded(tree, descs, frames, leaves)
+
+
+def encode_leaves(leaves: list, place: Placement) -> tuple[list[dict], list]:
+    """Descriptors and inline frames for already flattened leaves (a batch member's share of
+    the outputs, say), in order."""
     descs, frames = [], []
     for leaf in leaves:
         tensor = as_tensor(leaf)
@@ -184,7 +191,7 @@ def encode(value: Any, place: Placement) -> Encoded:
             tensor = tensor.detach().to("cpu").contiguous()
         descs.append(inline_desc(dtype, tensor.shape, len(frames)))
         frames.append(raw_bytes(tensor))  # the frame keeps the tensor alive until sent
-    return Encoded(tree, descs, frames, leaves)
+    return descs, frames
 
 
 def inline_only(tensor: torch.Tensor, dtype: str, nbytes: int) -> None:

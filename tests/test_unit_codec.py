@@ -17,8 +17,8 @@ import torch
 import zmq
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import (OutRegion, alias_region, encode, frame_tensor, inline_only,
-                                      reply_placement, unflatten)
+from modelwarden.shared.codec import (OutRegion, alias_region, encode, encode_leaves, frame_tensor,
+                                      inline_only, reply_placement, unflatten)
 from modelwarden.shared.descriptors import (InferReply, ReplyError, inline_desc, parse_reply,
                                             parse_reply_tensors, shm_desc, wire_desc)
 from modelwarden.shared.protocol import INTERNAL, ProtocolError, TensorDesc
@@ -348,3 +348,10 @@ def test_reply_placement_aliases_writes_out_then_goes_inline():
 def test_reply_placement_without_out_region_or_sources_is_inline():
     encoded = encode([torch.ones(1000)], reply_placement([], None, threshold=0))
     assert encoded.descs == [inline_desc("float32", [1000], 0)]
+
+
+def test_encode_leaves_is_encode_without_the_tree():
+    leaves = [torch.ones(3), np.zeros(2, dtype=np.int8)]
+    descs, frames = encode_leaves(leaves, inline_only)
+    assert descs == encode(leaves, inline_only).descs
+    assert [bytes(frame) for frame in frames] == [torch.ones(3).numpy().tobytes(), bytes(2)]
