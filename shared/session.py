@@ -115,7 +115,7 @@ class Session:
             region = arena.alloc(nbytes)
             pending.regions.append(region)
             pending.tokens.add(region.segment.token)
-            copy_into(region.bytes_view(0, nbytes), tensor, dtype)
+            copy_into(region.bytes_view(0, nbytes), tensor, dtype, parallel=False)
             return region.segment.token, region.offset, nbytes
         return stage
 

@@ -17,7 +17,8 @@ import torch
 import zmq
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import (OutRegion, alias_region, encode, encode_leaves, frame_tensor,
+from modelwarden.shared.codec import (DTYPE_NAMES, OutRegion, alias_region, copy_into, encode,
+                                      encode_leaves, frame_tensor, from_bytes,
                                       inline_only, reply_placement, unflatten)
 from modelwarden.shared.descriptors import (InferReply, ReplyError, inline_desc, parse_reply,
                                             parse_reply_tensors, shm_desc, wire_desc)
@@ -355,3 +356,16 @@ def test_encode_leaves_is_encode_without_the_tree():
     descs, frames = encode_leaves(leaves, inline_only)
     assert descs == encode(leaves, inline_only).descs
     assert [bytes(frame) for frame in frames] == [torch.ones(3).numpy().tobytes(), bytes(2)]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("name", ["contiguous", "strided", "bfloat16", "conj", "grad", "scalar"])
+def test_copy_into_writes_exact_bytes(name, parallel):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensor = {"contiguous": base, "strided": base.t()[::2], "bfloat16": base.to(torch.bfloat16).t(),
+              "conj": torch.complex(base, -base).conj(), "grad": base.clone().requires_grad_(),
+              "scalar": torch.tensor(7, dtype=torch.int64)}[name]
+    dtype = DTYPE_NAMES[tensor.dtype]
+    view = np.zeros(tensor.nbytes, dtype=np.uint8)
+    copy_into(view, tensor, dtype, parallel=parallel)
+    assert torch.equal(from_bytes(view, dtype, tuple(tensor.shape)), tensor.detach().resolve_conj())
