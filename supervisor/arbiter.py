@@ -139,8 +139,8 @@ class Arbiter:
                 handler = self._handlers.get(item)
                 if handler is not None:
                     self._guarded(handler)
-            # Requests accepted and results received in this round are dispatched together:
-            # once per model per round, and a worker freed in the round takes what queued in it.
+            # Workers freed by the results of this round take their next requests together:
+            # once per model per round, after every result of the round is in.
             self._guarded(self.router.dispatch_wanted)
             self.timers.run_due(self.clock())
         # No worker is left to serve what is still queued (every slot was restarting, or the

@@ -82,7 +82,7 @@ class Router:
         self.queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.batches: dict[str, batching.BatchStats] = collections.defaultdict(batching.BatchStats)
         self._holds: dict[str, Any] = {}  # model -> the timer that sends its held partial batch
-        self._wanted: dict[str, "ModelPool"] = {}  # pools with new requests or freed workers
+        self._wanted: dict[str, "ModelPool"] = {}  # pools whose workers freed up this round
         self._rids = itertools.count(1)
         daemon = host.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
@@ -134,7 +134,7 @@ class Router:
             request.queued_under_load = bool(queue) or pool.least_loaded() is None
         self.pending[request.rid] = request
         queue.append(request)
-        self._wanted[pool.name] = pool
+        self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
 
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
         """The tokens the request uses, each checked: registered, and the region inside it."""
@@ -155,8 +155,9 @@ class Router:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch_wanted(self) -> None:
-        """Dispatch every pool that got requests or freed workers since the last call (the
-        loop calls it once per poll round)."""
+        """Dispatch every pool whose workers freed up since the last call (the loop calls it
+        once per poll round: results that arrive together free their workers before any of
+        them takes the next batch, so the batch is as full as the queue allows)."""
         while self._wanted:
             self.dispatch(self._wanted.popitem()[1])
 
