@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelwarden.shared.client import BadInput, Client, UnknownModel
+from modelwarden.shared.client import BadInput, Client, ModelError, UnknownModel
 from modelwarden.shared.config import ConfigError, load_settings
+from tests.faulty import MARKER
 from tests.helpers import Daemon, faulty_model, poll_until
 
 QUICK = {"start_seconds": 0.5, "backoff_initial": 0.1, "kill_grace": 1.0}
@@ -131,3 +132,41 @@ def test_a_public_metrics_address_is_allowed_when_said(tmp_path):
     path = tmp_path / "modelwarden.toml"
     path.write_text('[daemon]\nmetrics = "0.0.0.0:9464"\nallow_public_metrics = true\n')
     assert load_settings(path).daemon.metrics == "0.0.0.0:9464"
+
+
+ACCESS_LINE = re.compile(r"rid=(\S+) id=(\S+) model=(\S+) worker=(\S+) code=(\S+) queue_us=(\S+) "
+                         r"compute_us=(\S+) total_us=(\S+) batch=(\S+)$", re.MULTILINE)
+
+
+def test_the_access_log_has_a_line_per_answer_ok_or_error():
+    with Daemon([faulty_model("raises", "raise")],
+                daemon={"access_log": True, "log_level": "WARNING"}) as daemon:
+        daemon.wait_ready()
+        x = np.ones((2, 8), np.float32)
+        with Client(daemon.endpoint, timeout=10) as client:
+            client.infer("raises", {"x": x})
+            with pytest.raises(ModelError):
+                client.infer("raises", {"x": np.full((2, 8), MARKER, np.float32)})
+            with pytest.raises(BadInput):
+                client.infer("raises", {"x": x.astype(np.int64)})
+        lines = poll_until(lambda: len(ACCESS_LINE.findall(daemon.log())) == 3
+                           and ACCESS_LINE.findall(daemon.log()), 10, message="three access lines")
+        ok, failed, refused = lines
+        assert ok[2:5] == ("raises", "raises#0", "ok") and ok[8] == "1", ok
+        assert ok[0].isdigit() and ok[1].isdigit() and all(part.isdigit() for part in ok[5:8]), ok
+        # The worker's own error code, read from the reply it wrote.
+        assert failed[2:5] == ("raises", "raises#0", "MODEL_ERROR"), failed
+        assert failed[0].isdigit() and failed[5].isdigit() and failed[6] == "-", failed
+        # Refused at intake: no supervisor rid, no worker, nothing queued or computed.
+        assert refused[0] == "-" and refused[2:5] == ("raises", "-", "BAD_INPUT"), refused
+        assert refused[5:7] == ("-", "-") and refused[7].isdigit(), refused
+        assert daemon.stop() == 0
+
+
+def test_no_access_log_unless_asked():
+    with Daemon([echo("echo", workers=1)]) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint, timeout=10) as client:
+            client.infer("echo", {"x": np.ones((2, 4), np.float32)})
+        assert daemon.stop() == 0
+        assert "INFO" in daemon.log() and not ACCESS_LINE.search(daemon.log())
