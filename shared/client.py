@@ -56,6 +56,7 @@ import zmq.asyncio
 
 from modelwarden.shared import protocol
 from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from modelwarden.shared.control import control_request
 from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
@@ -476,25 +477,6 @@ class AsyncClient:
 
 
 # -- control requests (the CLI) ------------------------------------------------------------------
-
-
-def control_request(endpoint: str, header: dict, timeout: float = 5.0) -> dict:
-    """One request on the control (or admin) socket; raises Timeout if the daemon does not answer."""
-    context = zmq.Context()
-    connection = _Connection(context, endpoint)
-    try:
-        header = {**header, "id": 1}
-        connection.send([[SIGNATURE, protocol.pack(header)]])
-        reply = connection.receive(timeout)
-        if reply is None:
-            raise _deadline_error(endpoint, timeout)
-        answer, _ = reply
-        if not answer.get("ok"):
-            raise error_from_reply(answer)
-        return answer
-    finally:
-        connection.close()
-        context.term()
 
 
 __all__ = ["Client", "AsyncClient", "Reply", "control_request", "default_endpoint", "RemoteError",

@@ -166,7 +166,8 @@ def _run_daemon(settings, plan) -> int:
 
 
 def cmd_control(args) -> int:
-    from modelwarden.shared.client import RemoteError, Timeout, control_request
+    from modelwarden.shared.control import control_request
+    from modelwarden.shared.errors import RemoteError, Timeout
     from modelwarden.shared.ipcaccess import NoDaemon, check_ipc_endpoint
     from modelwarden.supervisor.commands import COMMANDS, EXIT_UNREACHABLE
 
