@@ -55,7 +55,7 @@ import zmq
 import zmq.asyncio
 
 from modelwarden.shared import protocol
-from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, client_runtime_dir, load_settings
 from modelwarden.shared.control import control_request
 from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
@@ -86,7 +86,7 @@ def default_endpoint() -> str:
         ipc = [endpoint for endpoint in frontends if endpoint.startswith("ipc://")]
         if ipc or frontends:
             return (ipc or frontends)[0]
-    return f"ipc://{default_runtime_dir()}/frontend.sock"
+    return f"ipc://{client_runtime_dir()}/frontend.sock"
 
 
 # -- one socket ---------------------------------------------------------------------------------

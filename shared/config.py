@@ -373,11 +373,24 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+SYSTEM_RUNTIME_DIR = Path("/run/modelwarden")  # the system daemon's (root's default)
+
+
 def default_runtime_dir() -> Path:
     if os.geteuid() == 0:
-        return Path("/run/modelwarden")
+        return SYSTEM_RUNTIME_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     return Path(xdg) / "modelwarden" if xdg else Path(f"/tmp/modelwarden-{os.geteuid()}")
+
+
+def client_runtime_dir() -> Path:
+    """Where a client with no configuration looks for the daemon: its own default runtime
+    directory if a daemon has run there (its pid file), else the system daemon's, so a member
+    of ``shm_group`` reaches it without MODELWARDEN_CONFIG."""
+    own = default_runtime_dir()
+    if (own / "modelwarden.pid").exists() or not (SYSTEM_RUNTIME_DIR / "modelwarden.pid").exists():
+        return own
+    return SYSTEM_RUNTIME_DIR
 
 
 class _FileWithEnvOverrides(PydanticBaseSettingsSource):
