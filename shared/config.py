@@ -385,10 +385,12 @@ def default_runtime_dir() -> Path:
 
 def client_runtime_dir() -> Path:
     """Where a client with no configuration looks for the daemon: its own default runtime
-    directory if a daemon has run there (its pid file), else the system daemon's, so a member
-    of ``shm_group`` reaches it without MODELWARDEN_CONFIG."""
+    directory if a daemon has run there (its pid file), else the system daemon's when there is
+    one, so a member of ``shm_group`` reaches it without MODELWARDEN_CONFIG."""
     own = default_runtime_dir()
-    if (own / "modelwarden.pid").exists() or not (SYSTEM_RUNTIME_DIR / "modelwarden.pid").exists():
+    # The system directory itself, not its pid file: someone outside the group cannot see into
+    # it, and should be told "permission denied" there rather than "no socket" in their own.
+    if (own / "modelwarden.pid").exists() or not SYSTEM_RUNTIME_DIR.is_dir():
         return own
     return SYSTEM_RUNTIME_DIR
 

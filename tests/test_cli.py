@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,7 +19,7 @@ import numpy as np
 import pytest
 
 from modelwarden.supervisor.devices import visible_gpus
-from tests.helpers import ROOT, Daemon, poll_until, render_config
+from tests.helpers import ROOT, Daemon, poll_until, render_config, temporary_user
 
 EXIT_CONFIG, EXIT_UNREACHABLE = 2, 3
 
@@ -143,3 +147,74 @@ def test_status_watch_repeats_until_interrupted(tmp_path):
                 code = watch.wait(30)
         assert code == 0, out.read_text()
         assert "Traceback" not in out.read_text()
+
+
+# -- as other users: the system daemon in /run/modelwarden ----------------------------------------
+
+
+def _python_for_others() -> str:
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    for candidate in (sys.executable, shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")):
+        if candidate and _reachable_by_all(Path(os.path.realpath(candidate))):
+            return candidate
+    pytest.skip("no python interpreter other users may execute")
+
+
+def _reachable_by_all(path: Path) -> bool:
+    return all(os.stat(part).st_mode & stat.S_IXOTH for part in path.parents)
+
+
+def cli_as(user: str, group: str, *argv: str) -> subprocess.CompletedProcess:
+    """The CLI as ``user``, with no MODELWARDEN_* variable and no XDG_RUNTIME_DIR."""
+    script = ("import site, sys; site.addsitedir(sys.argv[1]); "
+              "from modelwarden.supervisor.cli import main; sys.exit(main(sys.argv[2:]))")
+    return subprocess.run(["setpriv", "--reuid", user, "--regid", group, "--init-groups",
+                           _python_for_others(), "-I", "-S", "-c", script,
+                           sysconfig.get_paths()["purelib"], *argv],
+                          capture_output=True, text=True, cwd="/", timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"})
+
+
+@pytest.fixture(scope="module")
+def member_and_outsider():
+    if os.geteuid() != 0:
+        pytest.skip("creates users and groups and uses /run/modelwarden: needs root")
+    if shutil.which("setpriv") is None or shutil.which("useradd") is None:
+        pytest.skip("needs setpriv and useradd")
+    if not _reachable_by_all(Path(sysconfig.get_paths()["purelib"]) / "x"):
+        pytest.skip("the test environment is not readable by other users")
+    with temporary_user("mwm") as member, temporary_user("mwo") as outsider:
+        yield member, outsider
+
+
+def test_the_system_daemon_is_found_by_its_group_and_refuses_others_by_name(member_and_outsider, tmp_path):
+    (member, group), (outsider, outsider_group) = member_and_outsider
+    system = Path("/run/modelwarden")
+    if system.exists():
+        pytest.skip("/run/modelwarden exists: a daemon of this machine may be using it")
+    try:
+        with Daemon([], daemon={"runtime_dir": str(system), "shm_group": group}) as daemon:
+            daemon.control = f"ipc://{system}/control.sock"
+            poll_until(lambda: daemon.status(), 30, message="the system daemon answering")
+            found = cli_as(member, group, "status", "--json")
+            assert found.returncode == 0, found.stderr
+            assert json.loads(found.stdout)["daemon"]["pid"] == daemon.process.pid
+            refused = cli_as(outsider, outsider_group, "status")
+            line = one_line_error(refused, EXIT_UNREACHABLE)
+            assert line.startswith(f"modelwarden: permission denied: {system}/control.sock"), line
+            assert f"a member of group {group}" in line, line
+
+            # Writing outputs where this user may not: said before anything is sent.
+            shared = Path(tempfile.mkdtemp(prefix="mw-out-", dir="/tmp"))
+            try:
+                os.chmod(shared, 0o755)
+                np.save(shared / "x.npy", np.ones((1, 4), np.float32))
+                os.chmod(shared / "x.npy", 0o644)
+                done = cli_as(member, group, "infer", "m", "-i", str(shared / "x.npy"),
+                              "-o", str(shared / "y.npy"))
+                assert "not writable here" in one_line_error(done)
+            finally:
+                shutil.rmtree(shared)
+            assert daemon.stop() == 0
+    finally:
+        shutil.rmtree(system, ignore_errors=True)
