@@ -101,6 +101,17 @@ def test_metrics_follow_requests_errors_and_a_killed_worker():
         assert daemon.stop() == 0
 
 
+def test_failed_probes_are_counted_across_workers():
+    # Every probe's output leaves the declared range; 1000 failures in a row to be replaced.
+    probe = {"interval": 0.1, "range": [1000.0, 2000.0], "failures": 1000}
+    with Daemon([echo("probed", workers=1, probe=probe)], daemon={"metrics": "127.0.0.1:0"}) as daemon:
+        base = metrics_url(daemon)
+        daemon.wait_ready()
+        poll_until(lambda: (value(scrape(base), "modelwarden_probe_failures_total", model="probed")
+                            or 0) >= 3, 30, message="three failed probes counted")
+        assert daemon.stop() == 0
+
+
 def test_fatal_slots_show_and_keep_the_daemon_unready():
     bad = faulty_model("bad", "load_error", max_start_failures=1, **QUICK)
     with Daemon([echo("good", workers=1), bad], daemon={"metrics": "127.0.0.1:0"}) as daemon:
