@@ -1,25 +1,27 @@
 """Prometheus metrics, ``/healthz`` and ``/readyz`` (``[daemon] metrics = "HOST:PORT"``).
 
-Two kinds of numbers, two paths:
+Every number is the loop's own and is handed to the scrape thread in one immutable ``Snapshot``:
 
 * Per request (the router calls ``RequestMetrics.answered`` once per answer, from the loop):
-  ``modelwarden_requests_total{model,code}`` and the latency and batch-size histograms. These are
-  prometheus_client Counters and Histograms, which take their own lock per update, so the scrape
-  thread may read them at any time.
-* Everything else (workers by state, slots, FATAL slots, queue depth, RSS, CUDA memory, restarts
-  by cause, probe failures) is read from the pools at each loop tick by ``Telemetry.publish``,
-  which builds an immutable ``Snapshot`` and swaps it in with one assignment. The scrape thread
-  reads only that snapshot: it never sees a dict the loop is in the middle of changing.
+  ``modelwarden_requests_total{model,code}`` and the latency and batch-size histograms, kept as
+  plain counts the loop alone writes (a bisect and two additions per histogram: no lock on the
+  hot path).
+* Per tick (``Telemetry.publish``, every 0.1 s): workers and slots by state, FATAL slots, queue
+  depth, RSS and CUDA memory, restarts by cause and probe failures read from the pools, and a
+  copy of the per-request counts. The snapshot replaces the previous one with one assignment;
+  the scrape's collector reads only the snapshot, so it never sees a dict the loop is in the
+  middle of changing. Counters may be up to one tick behind the last answer.
 
 The HTTP server is prometheus_client's threaded WSGI server (``ThreadingWSGIServer``): it serves
 from its own threads, the only threads in the supervisor (docs/ARCHITECTURE.md). They read the
-snapshot and the metric objects and write nothing the loop reads. ``/healthz`` answers 200 while
-the loop publishes (a loop stuck for ``STALE_AFTER`` seconds turns it to 503); ``/readyz``
-answers 200 only when every model has its minimum of READY workers, else 503.
+snapshot and write nothing the loop reads. ``/healthz`` answers 200 while the loop publishes (a
+loop stuck for ``STALE_AFTER`` seconds turns it to 503); ``/readyz`` answers 200 only when every
+model has its minimum of READY workers, else 503.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import socket
@@ -28,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from modelwarden.shared.config import parse_host_port
@@ -45,6 +47,17 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The labels of modelwarden_requests_total, in order. ``request_labels`` returns their values: a
 # new label (a model version) is one name here and one value there.
 REQUEST_LABELS = ("model", "code")
+# name, help, bucket bounds: one histogram of each per model, in RequestMetrics.answered's order.
+HISTOGRAMS = (
+    ("modelwarden_queue_seconds", "Time from acceptance to dispatch, successful requests",
+     LATENCY_BUCKETS),
+    ("modelwarden_compute_seconds", "The forward pass that served the request (the whole "
+     "batch's), successful requests", LATENCY_BUCKETS),
+    ("modelwarden_request_seconds", "Time from acceptance to the reply, successful requests",
+     LATENCY_BUCKETS),
+    ("modelwarden_batch_size", "Requests in the forward pass that served each successful request",
+     BATCH_BUCKETS),
+)
 
 
 def request_labels(request, code: str) -> tuple:
@@ -54,47 +67,50 @@ def request_labels(request, code: str) -> tuple:
 # -- per request (the loop's hot path) -----------------------------------------------------------
 
 
-class RequestMetrics:
-    """Counters and histograms updated once per answered request. Each labelled child is looked
-    up once and kept: ``labels()`` takes a lock and builds a key on every call."""
+class _Histogram:
+    """Counts per bucket (not cumulative: one addition per observation), their sum."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("modelwarden_requests", "Requests answered, by model and reply code "
-                                "(ok or the error code)", REQUEST_LABELS, registry=registry)
-        self.queue = Histogram("modelwarden_queue_seconds", "Time from acceptance to dispatch, "
-                               "successful requests", ["model"], buckets=LATENCY_BUCKETS,
-                               registry=registry)
-        self.compute = Histogram("modelwarden_compute_seconds", "The forward pass that served the "
-                                 "request (the whole batch's), successful requests", ["model"],
-                                 buckets=LATENCY_BUCKETS, registry=registry)
-        self.total = Histogram("modelwarden_request_seconds", "Time from acceptance to the reply, "
-                               "successful requests", ["model"], buckets=LATENCY_BUCKETS,
-                               registry=registry)
-        self.batch = Histogram("modelwarden_batch_size", "Requests in the forward pass that served "
-                               "each successful request", ["model"], buckets=BATCH_BUCKETS,
-                               registry=registry)
-        self._counters: dict[tuple, object] = {}
-        self._histograms: dict[str, tuple] = {}
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # le is inclusive
+        self.sum += value
+
+    def frozen(self) -> tuple:
+        return tuple(self.counts), self.sum
+
+
+class RequestMetrics:
+    """What the router's answers add up to; written by the loop only."""
+
+    def __init__(self) -> None:
+        self.requests: collections.Counter = collections.Counter()  # request_labels -> answers
+        self.histograms: dict[str, tuple] = {}  # model -> one _Histogram per HISTOGRAMS entry
 
     def answered(self, request, code: str, timing: dict | None) -> None:
-        labels = request_labels(request, code)
-        counter = self._counters.get(labels)
-        if counter is None:
-            counter = self._counters[labels] = self.requests.labels(*labels)
-        counter.inc()
+        self.requests[request_labels(request, code)] += 1
         if timing is None:
             return
-        children = self._histograms.get(request.model)
-        if children is None:
-            children = self._histograms[request.model] = tuple(
-                metric.labels(request.model) for metric in (self.queue, self.compute, self.total,
-                                                            self.batch))
-        queue, compute, total, batch = children
+        histograms = self.histograms.get(request.model)
+        if histograms is None:
+            histograms = self.histograms[request.model] = tuple(
+                _Histogram(bounds) for _, _, bounds in HISTOGRAMS)
+        queue, compute, total, batch = histograms
         queue.observe(timing["queue_us"] / 1e6)
         if timing.get("compute_us") is not None:
             compute.observe(timing["compute_us"] / 1e6)
         total.observe(timing["total_us"] / 1e6)
         batch.observe(timing.get("batch") or 1)
+
+    def frozen(self) -> tuple[tuple, tuple]:
+        return (tuple(self.requests.items()),
+                tuple((model, tuple(h.frozen() for h in histograms))
+                      for model, histograms in self.histograms.items()))
 
 
 # -- per tick (published by the loop, read by the scrape thread) ---------------------------------
@@ -111,6 +127,8 @@ class Snapshot:
     memory: tuple = ()  # (model, worker id, pid, rss bytes or None, cuda bytes or None)
     restarts: tuple = ()  # (model, cause, total since start)
     probe_failures: tuple = ()  # (model, total since start)
+    requests: tuple = ()  # (request_labels, answers)
+    histograms: tuple = ()  # (model, ((bucket counts, sum) per HISTOGRAMS entry))
 
 
 def minimum_ready(pool) -> int:
@@ -162,6 +180,7 @@ class Telemetry:
     def __init__(self, registry: CollectorRegistry, clock=time.monotonic) -> None:
         self.clock = clock
         self.snapshot = Snapshot(at=clock(), ready=False)
+        self.requests = RequestMetrics()
         self._totals = _Totals()
         registry.register(_SnapshotCollector(self))
 
@@ -169,6 +188,7 @@ class Telemetry:
         """``queued(pool)``: how many requests wait for that pool (the router's queue)."""
         pools = list(pools.values())
         self._totals.count(pools)
+        requests, histograms = self.requests.frozen()
         ready_workers = tuple((pool.name, pool.ready_count(), minimum_ready(pool)) for pool in pools)
         self.snapshot = Snapshot(
             at=self.clock(),
@@ -180,7 +200,8 @@ class Telemetry:
             memory=tuple((pool.name, handle.worker_id, handle.pid, handle.rss_bytes, handle.cuda_bytes)
                          for pool in pools for handle in pool.handles() if handle.alive),
             restarts=tuple((model, cause, n) for (model, cause), n in self._totals.restarts.items()),
-            probe_failures=tuple(self._totals.probe_failures.items()))
+            probe_failures=tuple(self._totals.probe_failures.items()),
+            requests=requests, histograms=histograms)
 
     def live(self) -> bool:
         return self.clock() - self.snapshot.at < STALE_AFTER
@@ -231,8 +252,27 @@ class _SnapshotCollector:
         for model, n in snap.probe_failures:
             probes.add_metric([model], n)
         yield probes
+        requests = CounterMetricFamily("modelwarden_requests", "Requests answered, by model and "
+                                       "reply code (ok or the error code)", labels=list(REQUEST_LABELS))
+        for labels, n in snap.requests:
+            requests.add_metric(list(labels), n)
+        yield requests
+        yield from _histograms(snap.histograms)
         yield GaugeMetricFamily("modelwarden_ready", "1 when every model has its minimum of READY "
                                 "workers", value=int(snap.ready))
+
+
+def _histograms(rows: tuple):
+    families = [HistogramMetricFamily(name, documentation, labels=["model"])
+                for name, documentation, _ in HISTOGRAMS]
+    for model, frozen in rows:
+        for family, (_, _, bounds), (counts, total) in zip(families, HISTOGRAMS, frozen):
+            cumulative, buckets = 0, []
+            for bound, count in zip((*bounds, float("inf")), counts):
+                cumulative += count
+                buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+            family.add_metric([model], buckets, sum_value=total)
+    return families
 
 
 def _gauge(name: str, documentation: str, labels: list, rows) -> GaugeMetricFamily:
@@ -299,8 +339,8 @@ def _plain(start_response, ok: bool, yes: str, no: str) -> list[bytes]:
 def start(address: str, router) -> tuple[Telemetry, MetricsServer]:
     """Count every answer the router gives and serve the numbers at ``address``."""
     registry = CollectorRegistry()
-    router.observers.append(RequestMetrics(registry).answered)
     telemetry = Telemetry(registry)
+    router.observers.append(telemetry.requests.answered)
     server = MetricsServer(address, registry, telemetry)
     try:
         server.start()

@@ -73,7 +73,10 @@ def test_metrics_follow_requests_errors_and_a_killed_worker():
                 client.infer("echo", {"x": np.ones((3, 4), np.int64)})
             with pytest.raises(UnknownModel):
                 client.infer("no-such-model", {"x": x})
-        samples = scrape(base)
+        # Counters reach the scrape at the loop's next tick (0.1 s).
+        samples = poll_until(lambda: (lambda found: value(found, "modelwarden_requests_total", model="echo",
+                                                          code="ok") == 3 and found)(scrape(base)),
+                             5, message="three ok answers counted")
         assert value(samples, "modelwarden_requests_total", model="echo", code="ok") == 3
         assert value(samples, "modelwarden_requests_total", model="echo", code="BAD_INPUT") == 1
         # A name the client made up never becomes a label.
@@ -181,3 +184,30 @@ def test_no_access_log_unless_asked():
             client.infer("echo", {"x": np.ones((2, 4), np.float32)})
         assert daemon.stop() == 0
         assert "INFO" in daemon.log() and not ACCESS_LINE.search(daemon.log())
+
+
+def test_histogram_buckets_are_cumulative_and_inclusive():
+    """The loop's own counts, exposed through prometheus_client and read back by its parser."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from modelwarden.supervisor.metrics import Telemetry
+
+    class Answered:
+        model = "m"
+
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry)
+    for total_us in (100, 101, 2_000_000, 60_000_000):  # 0.1 ms is its bucket's upper bound
+        telemetry.requests.answered(Answered(), "ok", {"queue_us": 0, "compute_us": None,
+                                                       "total_us": total_us, "batch": 3})
+    telemetry.publish({}, lambda pool: 0)
+    samples = {(s.name, frozenset(s.labels.items())): s.value for family in
+               text_string_to_metric_families(generate_latest(registry).decode())
+               for s in family.samples}
+    bucket = lambda le: value(samples, "modelwarden_request_seconds_bucket", model="m", le=le)
+    assert (bucket("0.0001"), bucket("0.00025"), bucket("2.5"), bucket("30.0"), bucket("+Inf")) == (1, 2, 3, 3, 4)
+    assert value(samples, "modelwarden_request_seconds_sum", model="m") == pytest.approx(62.000201)
+    assert value(samples, "modelwarden_compute_seconds_count", model="m") == 0
+    assert (value(samples, "modelwarden_batch_size_bucket", model="m", le="2.0"),
+            value(samples, "modelwarden_batch_size_bucket", model="m", le="4.0")) == (0, 4)
+    assert value(samples, "modelwarden_requests_total", model="m", code="ok") == 4
