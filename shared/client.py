@@ -214,9 +214,10 @@ class Client:
             except BaseException:
                 self._session.discard(pending)
                 raise
-            if attempt == 0 and self._session.forgotten(header, pending):
+            reply = self._session.read(header, frames)
+            if attempt == 0 and self._session.forgotten(reply, pending):
                 continue
-            return self._session.decode(pending, header, frames)
+            return self._session.decode(pending, reply, frames)
         raise AssertionError("unreachable: the second attempt always returns")
 
     def _await(self, connection: _Connection, request_id: Any, timeout: float) -> tuple[dict, list]:
@@ -359,11 +360,12 @@ class _IOThread(threading.Thread):
         if entry is None:
             return  # a reply we stopped waiting for
         pending, future, _, request, _ = entry
-        if request is not None and self.session.forgotten(header, pending):
+        reply = self.session.read(header, payload)
+        if request is not None and self.session.forgotten(reply, pending):
             self._send(connection, request, future, first=False)
             return
         try:
-            future.set_result(self.session.decode(pending, header, payload))
+            future.set_result(self.session.decode(pending, reply, payload))
         except BaseException as exc:
             future.set_exception(exc)
 
@@ -429,9 +431,10 @@ class AsyncClient:
             except BaseException:
                 self._session.discard(pending)
                 raise
-            if attempt == 0 and self._session.forgotten(header, pending):
+            reply = self._session.read(header, frames)
+            if attempt == 0 and self._session.forgotten(reply, pending):
                 continue
-            return self._session.decode(pending, header, frames)
+            return self._session.decode(pending, reply, frames)
         raise AssertionError("unreachable: the second attempt always returns")
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:

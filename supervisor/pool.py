@@ -338,7 +338,7 @@ class ModelPool:
         probe = handle.probe
         timeout = self.config.probe.timeout
         if probe.inflight_since is not None and now - probe.inflight_since > timeout:
-            probe.inflight_since = probe.rid = None
+            probe.settle()
             probe.unanswered = True
             self.record_probe(handle, Verdict(False, f"no answer in {timeout}s"))
         if probe.unanswered and not handle.retiring:

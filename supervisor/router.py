@@ -24,12 +24,13 @@ from modelwarden.shared import fdchannel, protocol
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
                                          SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
                                          ProtocolError)
+from modelwarden.shared.descriptors import parse_reply
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import batching
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.limits import ReplyLedger, RequestBytes, payload_bytes
-from modelwarden.supervisor.probes import decode_outputs, Verdict
+from modelwarden.supervisor.probes import Verdict, probe_arrays
 from modelwarden.supervisor.requests import (ProbeRequest, Refused, Request, after_worker_death,
                                              check_declared)
 
@@ -275,8 +276,7 @@ class Router:
         send_parts(self.host.backend, [handle.identity, protocol.pack(
             {"type": protocol.RUN, "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
-        handle.probe.inflight_since = now
-        handle.probe.rid = probe.rid
+        handle.probe.sent(probe.rid, now)
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -327,23 +327,19 @@ class Router:
         record = handle.probe
         if record.rid != probe.rid:  # answered after its timeout, already counted as a failure
             return
-        record.inflight_since = record.rid = None
+        record.settle()
         try:
-            header = protocol.unpack_header(_buffer(frames[0]), strict=False)
-        except ProtocolError as exc:
-            header = protocol.error_header(None, protocol.INTERNAL, exc.message)
-        if not header.get("ok"):
-            error = header.get("error") or {}
-            verdict = Verdict(False, f"probe raised {error.get('code')}: {error.get('message')}")
-        else:
-            try:
-                descs = header.get("tensors") or []
-                outputs = decode_outputs(descs, frames[1:])
+            reply = parse_reply(protocol.unpack_header(_buffer(frames[0]), strict=False),
+                                frames[1:], shm=False)
+            if not reply.ok:
+                verdict = Verdict(False, f"probe raised {reply.error.code}: {reply.error.message}")
+            else:
+                outputs = probe_arrays(reply.tensors, frames[1:])
                 record.latency_us = envelope.get("compute_us")
-                verdict = pool.judge.judge([desc["dtype"] for desc in descs], outputs,
+                verdict = pool.judge.judge([desc.dtype for desc in reply.tensors], outputs,
                                            record.latency_us or 0, record.baseline_us)
-            except Exception as exc:  # a worker answering garbage fails its probe
-                verdict = Verdict(False, f"probe answer unreadable: {exc}")
+        except Exception as exc:  # a worker answering garbage fails its probe
+            verdict = Verdict(False, f"probe answer unreadable: {exc}")
         pool.record_probe(handle, verdict)
 
     def finish(self, request: Request, reply: dict) -> None:
@@ -406,7 +402,7 @@ class Router:
         retry = []
         for request in held:
             if isinstance(request, ProbeRequest):
-                handle.probe.inflight_since = handle.probe.rid = None
+                handle.probe.settle()
                 continue
             if request.done:
                 continue
