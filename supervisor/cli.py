@@ -12,7 +12,6 @@ import sys
 
 EXIT_CONFIG = 2  # a user mistake: a bad config, a missing input file, a wrong output name
 EXIT_RUNTIME = 1
-EXIT_UNREACHABLE = 3  # no daemon answers (supervisor/commands.py says the same for status)
 OUTPUT_SUFFIXES = (".npy", ".npz")
 
 
@@ -201,7 +200,7 @@ def _control_once(args, endpoint: str, header: dict) -> int:
     from modelwarden.shared.control import control_request
     from modelwarden.shared.errors import RemoteError, Timeout
     from modelwarden.shared.ipcaccess import NoDaemon, check_ipc_endpoint
-    from modelwarden.supervisor.commands import COMMANDS
+    from modelwarden.supervisor.commands import COMMANDS, EXIT_UNREACHABLE
 
     try:
         check_ipc_endpoint(endpoint, require_present=True)
@@ -251,6 +250,7 @@ def _command_endpoint(args, mutating: bool) -> str:
 
 def cmd_infer(args) -> int:
     from modelwarden.shared.ipcaccess import NoDaemon
+    from modelwarden.supervisor.commands import EXIT_UNREACHABLE
 
     endpoint = args.endpoint
     if endpoint is None and args.config:
