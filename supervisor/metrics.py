@@ -132,8 +132,11 @@ class Snapshot:
 
 
 def minimum_ready(pool) -> int:
-    """READY workers a model needs to count as serving: all of its slots."""
-    return len(pool.slots)
+    """READY workers a model needs to count as serving: ``[[models]] ready_min`` where the
+    configuration has that key (the systemd readiness work adds it), else all of its slots, so
+    /readyz and systemd's READY=1 make the same promise."""
+    ready_min = getattr(pool.config, "ready_min", None)
+    return len(pool.slots) if ready_min is None else ready_min
 
 
 def restart_cause(text: str) -> str:
