@@ -55,7 +55,8 @@ import zmq
 import zmq.asyncio
 
 from modelwarden.shared import protocol
-from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, client_runtime_dir, load_settings
+from modelwarden.shared.control import control_request
 from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
@@ -85,7 +86,7 @@ def default_endpoint() -> str:
         ipc = [endpoint for endpoint in frontends if endpoint.startswith("ipc://")]
         if ipc or frontends:
             return (ipc or frontends)[0]
-    return f"ipc://{default_runtime_dir()}/frontend.sock"
+    return f"ipc://{client_runtime_dir()}/frontend.sock"
 
 
 # -- one socket ---------------------------------------------------------------------------------
@@ -479,25 +480,6 @@ class AsyncClient:
 
 
 # -- control requests (the CLI) ------------------------------------------------------------------
-
-
-def control_request(endpoint: str, header: dict, timeout: float = 5.0) -> dict:
-    """One request on the control (or admin) socket; raises Timeout if the daemon does not answer."""
-    context = zmq.Context()
-    connection = _Connection(context, endpoint)
-    try:
-        header = {**header, "id": 1}
-        connection.send([[SIGNATURE, protocol.pack(header)]])
-        reply = connection.receive(timeout)
-        if reply is None:
-            raise _deadline_error(endpoint, timeout)
-        answer, _ = reply
-        if not answer.get("ok"):
-            raise error_from_reply(answer)
-        return answer
-    finally:
-        connection.close()
-        context.term()
 
 
 __all__ = ["Client", "AsyncClient", "Reply", "control_request", "default_endpoint", "RemoteError",

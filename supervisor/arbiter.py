@@ -35,7 +35,7 @@ from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
                                          ProtocolError)
 from modelwarden.shared.states import WorkerState
-from modelwarden.supervisor import auth
+from modelwarden.supervisor import accesslog, auth
 from modelwarden.supervisor.buffers import BufferRegistry
 from modelwarden.supervisor.channel import ChannelServer
 from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
@@ -58,6 +58,7 @@ logger = logging.getLogger(__name__)
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
 DRAIN_MAX = 64  # messages read from one socket per poll round
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # no meaning yet: logged, never fatal
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
 
 
@@ -96,6 +97,8 @@ class Arbiter:
         self.zap: auth.ZapHandler | None = None
         self.admin: zmq.Socket | None = None
         self._wakeup_read, self._wakeup_write = socket.socketpair()
+        self.telemetry = None  # supervisor/metrics.py, when [daemon] metrics is set
+        self.metrics_server = None
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
         golden = model.probe.golden
@@ -110,6 +113,7 @@ class Arbiter:
         for endpoint in (self.settings.backend_endpoint, self.settings.admin_endpoint):
             check_private_endpoint(Path(endpoint[len("ipc://"):]))
         self._bind()
+        self._start_observers()
         self._open_buffer_channel()
         self._install_signal_handlers()
         self.connections.start(sum(len(pool.slots) for pool in self.pools.values()))
@@ -154,6 +158,18 @@ class Arbiter:
             handler()
         except Exception:
             logger.exception("unexpected error in %s", getattr(handler, "__name__", handler))
+
+    def _start_observers(self) -> None:
+        """The access log and the metrics endpoint: each one only when configured (the metrics
+        module, and prometheus_client, are not even imported otherwise)."""
+        daemon = self.settings.daemon
+        if daemon.access_log:
+            accesslog.enable()
+            self.router.observers.append(accesslog.answered)
+        if daemon.metrics:
+            from modelwarden.supervisor import metrics
+
+            self.telemetry, self.metrics_server = metrics.start(daemon.metrics, self.router)
 
     def _bind(self) -> None:
         daemon = self.settings.daemon
@@ -238,7 +254,7 @@ class Arbiter:
         self._wakeup_read.setblocking(False)
         self._wakeup_write.setblocking(False)
         signal.set_wakeup_fd(self._wakeup_write.fileno(), warn_on_full_buffer=False)
-        for signum in (*STOP_SIGNALS, signal.SIGHUP):
+        for signum in (*STOP_SIGNALS, signal.SIGHUP, *IGNORED_SIGNALS):
             # The C-level handler writes the signal number to the wakeup socket: that is the
             # record. The Python handler exists only to replace the default action.
             signal.signal(signum, lambda *_: None)
@@ -250,6 +266,8 @@ class Arbiter:
             handle.process.join(5)
             handle.exitcode = handle.process.exitcode
         signal.set_wakeup_fd(-1)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.buffer_channel is not None:
             self.buffer_channel.close()
         self.registry.close()
@@ -284,6 +302,8 @@ class Arbiter:
                     self.zap.reload()
                 logger.info("SIGHUP: rolling restart of every model")
                 self.restart(None)
+            elif signum in IGNORED_SIGNALS:
+                logger.info("%s ignored: it has no meaning to modelwarden", signal.Signals(signum).name)
 
     def _on_frontend(self, index: int) -> None:
         sock = self.frontends[index]
@@ -459,6 +479,8 @@ class Arbiter:
             self.router.dispatch(pool)
         self.connections.tick()
         self.router.replies.sweep()
+        if self.telemetry is not None:
+            self.telemetry.publish(self.pools, self.router.queued)
         if self.stopping:
             self._shutdown_step(now)
 

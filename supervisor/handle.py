@@ -53,6 +53,7 @@ class ProbeRecord:
     last_ok: bool | None = None
     last_reason: str = ""
     consecutive_failures: int = 0
+    failures: int = 0  # every failed probe of this worker (metrics: modelwarden_probe_failures)
     drift: float | None = None
     latency_us: int | None = None
     baseline_us: int | None = None

@@ -375,6 +375,7 @@ class ModelPool:
             probe.consecutive_failures = 0
             return
         probe.consecutive_failures += 1
+        probe.failures += 1
         logger.warning("%s pid %s: probe failed (%d in a row): %s", handle.worker_id, handle.pid,
                        probe.consecutive_failures, verdict.reason)
         if probe.consecutive_failures >= self.config.probe.failures:
