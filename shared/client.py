@@ -55,7 +55,8 @@ import zmq
 import zmq.asyncio
 
 from modelwarden.shared import protocol
-from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, default_runtime_dir, load_settings
+from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, client_runtime_dir, load_settings
+from modelwarden.shared.control import control_request
 from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
@@ -85,7 +86,7 @@ def default_endpoint() -> str:
         ipc = [endpoint for endpoint in frontends if endpoint.startswith("ipc://")]
         if ipc or frontends:
             return (ipc or frontends)[0]
-    return f"ipc://{default_runtime_dir()}/frontend.sock"
+    return f"ipc://{client_runtime_dir()}/frontend.sock"
 
 
 # -- one socket ---------------------------------------------------------------------------------
@@ -213,9 +214,10 @@ class Client:
             except BaseException:
                 self._session.discard(pending)
                 raise
-            if attempt == 0 and self._session.forgotten(header, pending):
+            reply = self._session.read(header, frames)
+            if attempt == 0 and self._session.forgotten(reply, pending):
                 continue
-            return self._session.decode(pending, header, frames)
+            return self._session.decode(pending, reply, frames)
         raise AssertionError("unreachable: the second attempt always returns")
 
     def _await(self, connection: _Connection, request_id: Any, timeout: float) -> tuple[dict, list]:
@@ -358,11 +360,12 @@ class _IOThread(threading.Thread):
         if entry is None:
             return  # a reply we stopped waiting for
         pending, future, _, request, _ = entry
-        if request is not None and self.session.forgotten(header, pending):
+        reply = self.session.read(header, payload)
+        if request is not None and self.session.forgotten(reply, pending):
             self._send(connection, request, future, first=False)
             return
         try:
-            future.set_result(self.session.decode(pending, header, payload))
+            future.set_result(self.session.decode(pending, reply, payload))
         except BaseException as exc:
             future.set_exception(exc)
 
@@ -428,9 +431,10 @@ class AsyncClient:
             except BaseException:
                 self._session.discard(pending)
                 raise
-            if attempt == 0 and self._session.forgotten(header, pending):
+            reply = self._session.read(header, frames)
+            if attempt == 0 and self._session.forgotten(reply, pending):
                 continue
-            return self._session.decode(pending, header, frames)
+            return self._session.decode(pending, reply, frames)
         raise AssertionError("unreachable: the second attempt always returns")
 
     def empty(self, shape, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -476,25 +480,6 @@ class AsyncClient:
 
 
 # -- control requests (the CLI) ------------------------------------------------------------------
-
-
-def control_request(endpoint: str, header: dict, timeout: float = 5.0) -> dict:
-    """One request on the control (or admin) socket; raises Timeout if the daemon does not answer."""
-    context = zmq.Context()
-    connection = _Connection(context, endpoint)
-    try:
-        header = {**header, "id": 1}
-        connection.send([[SIGNATURE, protocol.pack(header)]])
-        reply = connection.receive(timeout)
-        if reply is None:
-            raise _deadline_error(endpoint, timeout)
-        answer, _ = reply
-        if not answer.get("ok"):
-            raise error_from_reply(answer)
-        return answer
-    finally:
-        connection.close()
-        context.term()
 
 
 __all__ = ["Client", "AsyncClient", "Reply", "control_request", "default_endpoint", "RemoteError",

@@ -231,6 +231,9 @@ class DaemonConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
     python_path: list[Path] = Field(default_factory=list)
+    metrics: str | None = None  # "HOST:PORT": Prometheus /metrics, /healthz, /readyz (off if unset)
+    allow_public_metrics: bool = False  # metrics on a non-loopback address (see docs/OPERATIONS.md)
+    access_log: bool = False  # one line per answered request (logger modelwarden.access)
 
     @field_validator("shm_threshold", "max_message_bytes", "max_request_bytes_per_connection",
                      "max_request_bytes", "max_unread_bytes_per_connection", "max_unread_bytes",
@@ -245,6 +248,21 @@ class DaemonConfig(_Strict):
         for endpoint in value or []:
             check_endpoint(endpoint)
         return value
+
+    @field_validator("metrics")
+    @classmethod
+    def _metrics_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    @model_validator(mode="after")
+    def _metrics_exposure(self) -> "DaemonConfig":
+        # Metrics carry model names, pids, memory and traffic: loopback unless the operator says.
+        if self.metrics and not self.allow_public_metrics and not is_loopback(parse_host_port(self.metrics)[0]):
+            raise ValueError(f"metrics = {self.metrics!r} is reachable from other hosts; use "
+                             "127.0.0.1:PORT, or set allow_public_metrics = true")
+        return self
 
     @field_validator("control")
     @classmethod
@@ -345,11 +363,41 @@ class Settings(BaseSettings):
         return next((model for model in self.models if model.name == name), None)
 
 
+def parse_host_port(value: str) -> tuple[str, int]:
+    """``"127.0.0.1:9464"``, ``"[::1]:9464"`` -> (host, port); ValueError when it is not one."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not int(port) < 65536:  # 0: any free port
+        raise ValueError(f"{value!r} is not HOST:PORT (e.g. \"127.0.0.1:9464\")")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host:
+        raise ValueError(f"{value!r} names no host (\"0.0.0.0:{port}\" listens on every address)")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+SYSTEM_RUNTIME_DIR = Path("/run/modelwarden")  # the system daemon's (root's default)
+
+
 def default_runtime_dir() -> Path:
     if os.geteuid() == 0:
-        return Path("/run/modelwarden")
+        return SYSTEM_RUNTIME_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     return Path(xdg) / "modelwarden" if xdg else Path(f"/tmp/modelwarden-{os.geteuid()}")
+
+
+def client_runtime_dir() -> Path:
+    """Where a client with no configuration looks for the daemon: its own default runtime
+    directory if a daemon has run there (its pid file), else the system daemon's when there is
+    one, so a member of ``shm_group`` reaches it without MODELWARDEN_CONFIG."""
+    own = default_runtime_dir()
+    # The system directory itself, not its pid file: someone outside the group cannot see into
+    # it, and should be told "permission denied" there rather than "no socket" in their own.
+    if (own / "modelwarden.pid").exists() or not SYSTEM_RUNTIME_DIR.is_dir():
+        return own
+    return SYSTEM_RUNTIME_DIR
 
 
 class _FileWithEnvOverrides(PydanticBaseSettingsSource):

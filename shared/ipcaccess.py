@@ -28,6 +28,9 @@ def check_ipc_endpoint(endpoint: str, require_present: bool = False) -> None:
         return
     path = Path(endpoint[len("ipc://"):])
     if os.access(path, os.W_OK, effective_ids=True):
+        stale = stale_socket(path)
+        if stale is not None:
+            raise NoDaemon(stale)
         return
     blocker = _blocking_dir(path)
     if blocker is None:
@@ -40,6 +43,59 @@ def check_ipc_endpoint(endpoint: str, require_present: bool = False) -> None:
             return
         blocker = path
     raise PermissionError(f"permission denied: {path} ({who_may(blocker)})")
+
+
+PID_FILE = "modelwarden.pid"  # supervisor/runtime.py: the daemon holds an flock on it while it runs
+
+
+def stale_socket(path: Path) -> str | None:
+    """Why nobody answers at ``path``, when the runtime directory's pid file says no daemon
+    holds it: a socket left by a daemon that stopped. None when a daemon holds it, when there
+    is no pid file beside the socket (or one level up, for ``private/``), or when we cannot tell.
+    Both must say so: no lock on the pid file in /proc/locks (looking must not take the lock a
+    starting daemon needs) and no process with the pid it names. Any doubt answers None, and the
+    caller waits for a reply as before."""
+    for runtime in (path.parent, path.parent.parent):
+        pid_file = runtime / PID_FILE
+        try:
+            info = os.stat(pid_file)
+        except OSError:
+            continue
+        pid = _pid_in(pid_file)
+        if pid is None or _alive(pid) or _flock_held(info) is not False:
+            return None
+        return f"no daemon runs for {runtime} (stale socket from pid {pid})"
+    return None
+
+
+def _flock_held(info: os.stat_result) -> bool | None:
+    """Whether any process holds a lock on the file ``info`` describes; None if unknowable."""
+    # By inode alone: overlay file systems show another device number there than stat does,
+    # and a false "held" only means falling back to waiting for a reply.
+    inode = f":{info.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            return any(field.endswith(inode) for line in locks for field in line.split()[5:6])
+    except OSError:
+        return None
+
+
+def _pid_in(pid_file: Path) -> int | None:
+    try:
+        text = pid_file.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _blocking_dir(path: Path) -> Path | None:

@@ -355,7 +355,10 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
 def parse_shape(value: Any, what: str) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > MAX_DIMS:
         raise bad(f"{what}: 'shape' must be a list of at most {MAX_DIMS} ints")
-    return tuple(require_uint(dim, f"{what}: every dimension", MAX_TENSOR_BYTES) for dim in value)
+    for dim in value:  # checked inline: this runs for every tensor of every request and reply
+        if type(dim) is not int or not 0 <= dim <= MAX_TENSOR_BYTES:
+            require_uint(dim, f"{what}: every dimension", MAX_TENSOR_BYTES)  # raises
+    return tuple(value)
 
 
 def parse_token(value: Any, what: str) -> str:
@@ -409,12 +412,12 @@ def parse_tensors(value: Any) -> list[TensorDesc]:
     return descs
 
 
-def check_tree(tree: Any, n_tensors: int) -> None:
+def check_tree(tree: Any, n_tensors: int, what: str = "'inputs'") -> None:
     """TREE must use every tensor index exactly once, within the depth limit."""
     seen: set[int] = set()
     _walk_tree(tree, n_tensors, seen, 0)
     if len(seen) != n_tensors:
-        raise bad(f"'inputs' uses {len(seen)} of {n_tensors} tensors; every tensor exactly once")
+        raise bad(f"{what} uses {len(seen)} of {n_tensors} tensors; every tensor exactly once")
 
 
 def _walk_tree(node: Any, n_tensors: int, seen: set[int], depth: int) -> None:

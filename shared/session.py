@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import (as_tensor, dtype_name, flatten, from_bytes, raw_bytes, to_numpy,
-                                      unflatten)
-from modelwarden.shared.errors import InternalError, Timeout, error_from_reply
+from modelwarden.shared.codec import (copy_into, dtype_name, encode, frame_tensor, from_bytes,
+                                      inline_only, to_numpy, unflatten)
+from modelwarden.shared.descriptors import InferReply, ReplyError, parse_reply
+from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout
 from modelwarden.shared.fdchannel import BufferChannel
-from modelwarden.shared.protocol import SIGNATURE
+from modelwarden.shared.protocol import SIGNATURE, TensorDesc
 from modelwarden.shared.shm import ALIGN, Region, ShmArena
 
 
@@ -44,6 +45,7 @@ class Pending:
     keep: list  # input tensors: their memory may be read in place until the reply
     regions: list[Region] = field(default_factory=list)  # leases this request holds
     tokens: set = field(default_factory=set)  # every buffer token it references
+    out_token: str | None = None  # the buffer of its out region, if it has one
 
 
 class Session:
@@ -80,107 +82,110 @@ class Session:
     def build(self, model: str, inputs: Any, timeout: float,
               details: bool = False) -> tuple[list[list], Pending]:
         """The messages to send (just the request) and its pending record."""
-        leaves: list = []
-        tree = flatten(inputs, leaves)
-        numpy_out = bool(leaves) and all(isinstance(leaf, np.ndarray) for leaf in leaves)
-        tensors = [as_tensor(leaf) for leaf in leaves]
-        pending = Pending(next(self.ids), model, numpy_out, details, keep=list(tensors))
-        descs, frames = [], []
+        pending = Pending(next(self.ids), model, False, details, keep=[])
         try:
-            for tensor in tensors:
-                descs.append(self._describe(tensor, frames, pending))
-            out = self._out_region(model, tensors, pending)
+            encoded = encode(inputs, self._placement(pending))
+            pending.keep = encoded.leaves  # read in place by the worker until the reply
+            pending.numpy_out = bool(encoded.leaves) and all(
+                isinstance(leaf, np.ndarray) for leaf in encoded.leaves)
+            out = self._out_region(model, encoded.descs, pending)
         except BaseException:
             self.release(pending)
             raise
-        header = {"type": "infer", "id": pending.id, "model": model, "inputs": tree,
-                  "tensors": descs, "timeout_ms": int(timeout * 1000)}
+        header = {"type": "infer", "id": pending.id, "model": model, "inputs": encoded.tree,
+                  "tensors": encoded.descs, "timeout_ms": int(timeout * 1000)}
         if out is not None:
             header["out"] = out
-        return [[SIGNATURE, protocol.pack(header), *frames]], pending
+        return [[SIGNATURE, protocol.pack(header), *encoded.frames]], pending
 
-    def _describe(self, tensor: torch.Tensor, frames: list, pending: Pending) -> dict:
-        dtype = dtype_name(tensor.dtype)
-        desc = {"dtype": dtype, "shape": list(tensor.shape)}
-        nbytes = tensor.numel() * tensor.element_size()
-        arena = self.arena
-        if arena is not None and nbytes >= self.threshold and nbytes:
+    def _placement(self, pending: Pending):
+        arena, threshold = self.arena, self.threshold
+        if arena is None:
+            return inline_only
+
+        def stage(tensor: torch.Tensor, dtype: str, nbytes: int) -> tuple | None:
+            """Large inputs go in shared memory: in place if made by empty(), else copied once."""
+            if nbytes < threshold or not nbytes:
+                return None
             where = tensor.is_contiguous() and tensor.device.type == "cpu" and arena.locate(
                 tensor.data_ptr(), nbytes)
-            if where:  # made by empty(): zero copies
-                desc["shm"] = [where[0].token, where[1], nbytes]
+            if where:
                 pending.tokens.add(where[0].token)
-                return desc
+                return where[0].token, where[1], nbytes
             region = arena.alloc(nbytes)
             pending.regions.append(region)
             pending.tokens.add(region.segment.token)
-            staging = from_bytes(region.bytes_view(0, nbytes), dtype, tuple(tensor.shape))
-            staging.copy_(tensor)
-            desc["shm"] = [region.segment.token, region.offset, nbytes]
-            return desc
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
-            tensor = tensor.detach().to("cpu").contiguous()
-            pending.keep.append(tensor)
-        desc["frame"] = len(frames)
-        frames.append(raw_bytes(tensor))
-        return desc
+            copy_into(region.bytes_view(0, nbytes), tensor, dtype, parallel=False)
+            return region.segment.token, region.offset, nbytes
+        return stage
 
-    def _out_region(self, model: str, tensors: list, pending: Pending) -> list | None:
+    def _out_region(self, model: str, descs: list[dict], pending: Pending) -> list | None:
         if self.arena is None:
             return None
         guess = self.out_guess.get(model)
-        if guess is None:
-            guess = sum(_aligned(t.numel() * t.element_size()) for t in tensors
-                        if t.numel() * t.element_size() >= self.threshold)
+        if guess is None:  # no reply yet: guess the outputs are as large as the inputs
+            guess = sum(_aligned(nbytes) for nbytes in map(_desc_nbytes, descs)
+                        if nbytes >= self.threshold)
         if guess < self.threshold:
             return None
         region = self.arena.alloc(guess)
         pending.regions.append(region)
         pending.tokens.add(region.segment.token)
+        pending.out_token = region.segment.token
         return [region.segment.token, region.offset, region.capacity]
 
     # -- replies ----------------------------------------------------------------------------
 
-    def forgotten(self, header: dict, pending: Pending) -> bool:
+    def read(self, header: dict, frames: list) -> InferReply:
+        """The typed reply; a malformed one becomes an INTERNAL failure of the request it names."""
+        try:
+            return parse_reply(header, frames)
+        except protocol.ProtocolError as exc:
+            error = ReplyError(exc.code, f"from the daemon: {exc.message}")
+            worker = header.get("worker") if isinstance(header, dict) else None
+            rid = protocol.request_id_of(header) if isinstance(header, dict) else None
+            return InferReply(rid, False, None, [], error, worker if isinstance(worker, str) else None, {})
+
+    def forgotten(self, reply: InferReply, pending: Pending) -> bool:
         """True if the daemon no longer honours this request's buffer tokens (it restarted, so
         the channel died): the buffers are registered again here and the caller resends, once."""
-        error = header.get("error") or {}
-        if header.get("ok") or error.get("detail") != protocol.BUFFER_NOT_REGISTERED:
+        if reply.ok or reply.error.detail != protocol.BUFFER_NOT_REGISTERED:
             return False
         self.release(pending)
         if self.arena is not None:
             self.arena.renew(pending.tokens)
         return True
 
-    def decode(self, pending: Pending, header: dict, frames: list) -> Any:
+    def decode(self, pending: Pending, reply: InferReply, frames: list) -> Any:
         try:
-            if not header.get("ok"):
-                error = error_from_reply(header)
+            if not reply.ok:
+                error = ERRORS.get(reply.error.code, RemoteError)(
+                    reply.error.message, reply.id, reply.worker)
                 if isinstance(error, Timeout):
                     self.discard(pending)  # the worker may still touch its buffers
                 raise error
-            tensors = [self._tensor(desc, frames) for desc in header.get("tensors") or []]
-            self._learn_out_size(pending.model, header.get("tensors") or [])
+            tensors = [self._tensor(desc, frames) for desc in reply.tensors]
+            if self.arena is not None:
+                self._learn_out_size(pending, reply.tensors)
         finally:
             self.release(pending)
         if pending.numpy_out:
             tensors = [to_numpy(tensor) for tensor in tensors]
-        outputs = unflatten(header.get("outputs"), tensors)
+        outputs = unflatten(reply.outputs, tensors)
         if pending.details:
-            return Reply(outputs, header.get("worker"), header.get("timing") or {})
+            return Reply(outputs, reply.worker, reply.timing)
         return outputs
 
-    def _tensor(self, desc: dict, frames: list) -> torch.Tensor:
-        dtype, shape = desc["dtype"], tuple(desc["shape"])
-        if "frame" in desc:
-            tensor = from_bytes(frames[desc["frame"]].buffer, dtype, shape)
+    def _tensor(self, desc: TensorDesc, frames: list) -> torch.Tensor:
+        if desc.shm is None:
+            tensor = frame_tensor(desc, frames)
             return tensor.clone() if self.copy_outputs else tensor
-        token, offset, nbytes = desc["shm"]
+        token, offset, nbytes = desc.shm
         segment = self.arena.segment(token) if self.arena else None
-        if segment is None:
-            raise InternalError("the daemon returned a buffer this client does not own")
+        if segment is None or offset + nbytes > segment.size:
+            raise InternalError("the daemon returned a buffer region this client does not own")
         view = segment.array[offset:offset + nbytes]
-        tensor = from_bytes(view, dtype, shape)
+        tensor = from_bytes(view, desc.dtype, desc.shape)
         if self.copy_outputs:
             return tensor.clone()
         region = self.arena.region_of(token)
@@ -188,13 +193,15 @@ class Session:
         weakref.finalize(view, region.release)  # the region is reused once the tensor is freed
         return tensor
 
-    def _learn_out_size(self, model: str, descs: list) -> None:
+    def _learn_out_size(self, pending: Pending, descs: list[TensorDesc]) -> None:
+        """Next time, reserve room for the large outputs the worker had to write: those that came
+        inline or in our out region. One pointing into an input buffer needed no room."""
         total = 0
         for desc in descs:
-            nbytes = protocol.DTYPES[desc["dtype"]] * math.prod(desc["shape"])
-            if nbytes >= self.threshold:
-                total += _aligned(nbytes)
-        self.out_guess[model] = total
+            if desc.nbytes >= self.threshold and (desc.shm is None
+                                                  or desc.shm[0] == pending.out_token):
+                total += _aligned(desc.nbytes)
+        self.out_guess[pending.model] = total
 
     def release(self, pending: Pending) -> None:
         regions, pending.regions = pending.regions, []
@@ -228,3 +235,7 @@ class Session:
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def _desc_nbytes(desc: dict) -> int:
+    return protocol.DTYPES[desc["dtype"]] * math.prod(desc["shape"])

@@ -181,18 +181,24 @@ class ShmArena:
             free = self._free[size]
             if free:
                 region = free.pop()
-            else:
-                region = self._new_region(size)
+                region._refs = 1
+                return region
+        # A new buffer is made outside the lock: pre-faulting a large one takes milliseconds, and
+        # 64 threads each wanting one would otherwise queue behind each other (W3 of issue 9).
+        segment = create_segment(size)
+        with self._lock:
+            try:
+                if self.closed:
+                    raise RuntimeError("the client is closed")
+                region = self._new_region(segment)
+            except BaseException:
+                segment.close()
+                raise
             region._refs = 1
             return region
 
-    def _new_region(self, size: int) -> Region:
-        segment = create_segment(size)
-        try:
-            self._register([segment])
-        except BaseException:
-            segment.close()
-            raise
+    def _new_region(self, segment: Segment) -> Region:
+        self._register([segment])
         self._segments[id(segment)] = segment
         # Replaced, not mutated: locate() reads it without the lock.
         self._by_address = sorted(

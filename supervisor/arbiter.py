@@ -35,7 +35,7 @@ from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
                                          ProtocolError)
 from modelwarden.shared.states import WorkerState
-from modelwarden.supervisor import auth
+from modelwarden.supervisor import accesslog, auth
 from modelwarden.supervisor.buffers import BufferRegistry
 from modelwarden.supervisor.channel import ChannelServer
 from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
 DRAIN_MAX = 64  # messages read from one socket per poll round
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # no meaning yet: logged, never fatal
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
 
 
@@ -99,6 +100,8 @@ class Arbiter:
         self.zap: auth.ZapHandler | None = None
         self.admin: zmq.Socket | None = None
         self._wakeup_read, self._wakeup_write = socket.socketpair()
+        self.telemetry = None  # supervisor/metrics.py, when [daemon] metrics is set
+        self.metrics_server = None
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
         golden = model.probe.golden
@@ -113,6 +116,7 @@ class Arbiter:
         for endpoint in (self.settings.backend_endpoint, self.settings.admin_endpoint):
             check_private_endpoint(Path(endpoint[len("ipc://"):]))
         self._bind()
+        self._start_observers()
         self._open_buffer_channel()
         self._install_signal_handlers()
         self.connections.start(sum(len(pool.slots) for pool in self.pools.values()))
@@ -142,8 +146,8 @@ class Arbiter:
                 handler = self._handlers.get(item)
                 if handler is not None:
                     self._guarded(handler)
-            # Requests accepted and results received in this round are dispatched together:
-            # once per model per round, and a worker freed in the round takes what queued in it.
+            # Workers freed by the results of this round take their next requests together:
+            # once per model per round, after every result of the round is in.
             self._guarded(self.router.dispatch_wanted)
             self.timers.run_due(self.clock())
         # No worker is left to serve what is still queued (every slot was restarting, or the
@@ -157,6 +161,18 @@ class Arbiter:
             handler()
         except Exception:
             logger.exception("unexpected error in %s", getattr(handler, "__name__", handler))
+
+    def _start_observers(self) -> None:
+        """The access log and the metrics endpoint: each one only when configured (the metrics
+        module, and prometheus_client, are not even imported otherwise)."""
+        daemon = self.settings.daemon
+        if daemon.access_log:
+            accesslog.enable()
+            self.router.observers.append(accesslog.answered)
+        if daemon.metrics:
+            from modelwarden.supervisor import metrics
+
+            self.telemetry, self.metrics_server = metrics.start(daemon.metrics, self.router)
 
     def _bind(self) -> None:
         daemon = self.settings.daemon
@@ -241,7 +257,7 @@ class Arbiter:
         self._wakeup_read.setblocking(False)
         self._wakeup_write.setblocking(False)
         signal.set_wakeup_fd(self._wakeup_write.fileno(), warn_on_full_buffer=False)
-        for signum in (*STOP_SIGNALS, signal.SIGHUP):
+        for signum in (*STOP_SIGNALS, signal.SIGHUP, *IGNORED_SIGNALS):
             # The C-level handler writes the signal number to the wakeup socket: that is the
             # record. The Python handler exists only to replace the default action.
             signal.signal(signum, lambda *_: None)
@@ -253,6 +269,8 @@ class Arbiter:
             handle.process.join(5)
             handle.exitcode = handle.process.exitcode
         signal.set_wakeup_fd(-1)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.buffer_channel is not None:
             self.buffer_channel.close()
         self.registry.close()
@@ -295,6 +313,8 @@ class Arbiter:
                 logger.info("SIGHUP: rolling restart of every model")
                 self.service.reload_started(daemon_health(self.pools.values()))
                 self.restart(None)
+            elif signum in IGNORED_SIGNALS:
+                logger.info("%s ignored: it has no meaning to modelwarden", signal.Signals(signum).name)
 
     def _on_frontend(self, index: int) -> None:
         sock = self.frontends[index]
@@ -471,6 +491,8 @@ class Arbiter:
         self.connections.tick()
         self.router.replies.sweep()
         self._report_health()
+        if self.telemetry is not None:
+            self.telemetry.publish(self.pools, self.router.queued)
         if self.stopping:
             self._shutdown_step(now)
 

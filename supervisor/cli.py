@@ -7,10 +7,12 @@ module again in every worker, which must stay light and must not import torch be
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-EXIT_CONFIG = 2
+EXIT_CONFIG = 2  # a user mistake: a bad config, a missing input file, a wrong output name
 EXIT_RUNTIME = 1
+OUTPUT_SUFFIXES = (".npy", ".npz")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(status)
     _add_control(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--watch", nargs="?", type=float, const=2.0, metavar="SECONDS",
+                        help="print the status again every SECONDS (default 2) until Ctrl-C")
     status.set_defaults(func=cmd_control, command="status")
 
     restart = commands.add_parser(
@@ -126,9 +130,11 @@ def _settings(args):
 
 
 def cmd_serve(args) -> int:
-    from modelwarden.shared.config import ConfigError, format_cores
+    from modelwarden.shared.config import ENV_CONFIG, ConfigError
     from modelwarden.supervisor import auth, placement
 
+    if not args.config and not os.environ.get(ENV_CONFIG):
+        return _fail(f"serve needs a configuration: --config PATH or ${ENV_CONFIG}", EXIT_CONFIG)
     settings = _settings(args)
     try:
         plan = placement.plan(settings)
@@ -136,12 +142,25 @@ def cmd_serve(args) -> int:
     except ConfigError as exc:
         return _fail(f"config error: {exc}", EXIT_CONFIG)
     if args.check:
-        for model, slots in plan.items():
-            for index, slot in enumerate(slots):
-                where = slot.device if slot.device != "cpu" else f"cpu[{format_cores(slot.cores)}]"
-                print(f"{model}#{index}: {where}, {slot.threads} thread(s)")
-        return 0
+        return _check(plan)
     return _run_daemon(settings, plan)
+
+
+def _check(plan) -> int:
+    """Print the plan; exit 2 if it names a CUDA device this machine lacks."""
+    from modelwarden.shared.config import format_cores
+    from modelwarden.supervisor.devices import missing_devices
+
+    missing = missing_devices([slot.device for slots in plan.values() for slot in slots])
+    if missing:
+        return _fail(f"config error: no such device here: {', '.join(missing)} (the driver lists "
+                     "none in /proc/driver/nvidia/gpus or /dev/nvidia*, or CUDA_VISIBLE_DEVICES "
+                     "hides it)", EXIT_CONFIG)
+    for model, slots in plan.items():
+        for index, slot in enumerate(slots):
+            where = slot.device if slot.device != "cpu" else f"cpu[{format_cores(slot.cores)}]"
+            print(f"{model}#{index}: {where}, {slot.threads} thread(s)")
+    return 0
 
 
 def _run_daemon(settings, plan) -> int:
@@ -166,14 +185,23 @@ def _run_daemon(settings, plan) -> int:
 
 
 def cmd_control(args) -> int:
-    from modelwarden.shared.client import RemoteError, Timeout, control_request
-    from modelwarden.shared.ipcaccess import NoDaemon, check_ipc_endpoint
-    from modelwarden.supervisor.commands import COMMANDS, EXIT_UNREACHABLE
+    from modelwarden.supervisor.commands import COMMANDS
 
     endpoint = _command_endpoint(args, COMMANDS[args.command].mutating)
     header = {"type": args.command}
     if getattr(args, "target", None):
         header["target"] = args.target
+    if getattr(args, "watch", None) is None:
+        return _control_once(args, endpoint, header)
+    return _watch(args, endpoint, header)
+
+
+def _control_once(args, endpoint: str, header: dict) -> int:
+    from modelwarden.shared.control import control_request
+    from modelwarden.shared.errors import RemoteError, Timeout
+    from modelwarden.shared.ipcaccess import NoDaemon, check_ipc_endpoint
+    from modelwarden.supervisor.commands import COMMANDS, EXIT_UNREACHABLE
+
     try:
         check_ipc_endpoint(endpoint, require_present=True)
         reply = control_request(endpoint, header, args.timeout)
@@ -184,31 +212,64 @@ def cmd_control(args) -> int:
     except RemoteError as exc:
         return _fail(str(exc), EXIT_RUNTIME)
     text, code = COMMANDS[args.command].render(reply, args.json)
-    print(text)
+    print(text, flush=True)
     return code
 
 
+def _watch(args, endpoint: str, header: dict) -> int:
+    """``status --watch``: the status every N seconds, until Ctrl-C (exit 0) or SIGTERM."""
+    import time
+
+    if args.watch <= 0:
+        return _fail("--watch SECONDS must be more than 0", EXIT_CONFIG)
+    clear = "\033[H\033[2J" if sys.stdout.isatty() else ""
+    try:
+        while True:
+            print(f"{clear}{time.strftime('%H:%M:%S')} every {args.watch:g}s (Ctrl-C ends)", flush=True)
+            _control_once(args, endpoint, header)
+            time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return 0
+
+
 def _command_endpoint(args, mutating: bool) -> str:
-    """Mutating commands go to the admin socket, the others to the control socket."""
-    if mutating:
-        return args.admin or _settings(args).admin_endpoint
-    return args.control or _settings(args).control_endpoint
+    """Mutating commands go to the admin socket, the others to the control socket. With no
+    configuration at all, the daemon is looked for where ``client_runtime_dir`` says: a member
+    of ``shm_group`` finds the system daemon in /run/modelwarden."""
+    from modelwarden.shared.config import ENV_CONFIG, client_runtime_dir
+
+    given = args.admin if mutating else args.control
+    if given:
+        return given
+    settings = _settings(args)
+    if not args.config and not os.environ.get(ENV_CONFIG) and settings.daemon.runtime_dir is None:
+        runtime = client_runtime_dir()
+        return f"ipc://{runtime}/private/admin.sock" if mutating else f"ipc://{runtime}/control.sock"
+    return settings.admin_endpoint if mutating else settings.control_endpoint
 
 
 def cmd_infer(args) -> int:
-    import numpy as np
-
-    from modelwarden.shared.client import Client, RemoteError
+    from modelwarden.shared.ipcaccess import NoDaemon
+    from modelwarden.supervisor.commands import EXIT_UNREACHABLE
 
     endpoint = args.endpoint
     if endpoint is None and args.config:
         endpoint = _settings(args).frontends[0]
+    if args.output:
+        _check_output(args.output)
     inputs = _read_inputs(args.input)
+
+    import numpy as np
+
+    from modelwarden.shared.client import Client, RemoteError
+
     try:
         with Client(endpoint, timeout=args.timeout, copy_outputs=True,
                     server_key=args.server_key, client_key=args.client_key) as client:
             reply = client.infer(args.model, inputs, details=True)
-    except (RemoteError, ValueError, PermissionError) as exc:  # ValueError: an unusable key file
+    except (NoDaemon, PermissionError) as exc:
+        return _fail(str(exc), EXIT_UNREACHABLE)
+    except (RemoteError, ValueError) as exc:  # ValueError: an unusable key file
         return _fail(str(exc), EXIT_RUNTIME)
     outputs = _leaves(reply.outputs)
     for name, value in outputs.items():
@@ -220,6 +281,18 @@ def cmd_infer(args) -> int:
     if args.output:
         _write_outputs(args.output, outputs)
     return 0
+
+
+def _check_output(path: str) -> None:
+    """Before the request is sent: the name says the format, and its directory takes files."""
+    if not path.endswith(OUTPUT_SUFFIXES):
+        raise SystemExit(_fail(f"--output {path}: name a .npy file (one tensor) or an .npz file "
+                               "(several)", EXIT_CONFIG))
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise SystemExit(_fail(f"--output {path}: no such directory {directory}", EXIT_CONFIG))
+    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise SystemExit(_fail(f"--output {path}: not writable here", EXIT_CONFIG))
 
 
 def cmd_keygen(args) -> int:
@@ -250,13 +323,32 @@ def cmd_keygen(args) -> int:
 
 
 def _read_inputs(paths: list[str]):
+    if len(paths) == 1 and paths[0].endswith(".npz"):
+        return _load(paths[0], lambda archive: {key: archive[key] for key in archive.files})
+    arrays = [_load(path) for path in paths]
+    return arrays[0] if len(arrays) == 1 else arrays
+
+
+def _load(path: str, take=None):
+    """One .npy or .npz file, or a one-line error and exit 2 (not a traceback)."""
+    import zipfile
+
     import numpy as np
 
-    if len(paths) == 1 and paths[0].endswith(".npz"):
-        with np.load(paths[0], allow_pickle=False) as archive:
-            return {key: archive[key] for key in archive.files}
-    arrays = [np.load(path, allow_pickle=False) for path in paths]
-    return arrays[0] if len(arrays) == 1 else arrays
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if take is None:
+            return loaded
+        with loaded as archive:
+            return take(archive)
+    except FileNotFoundError:
+        raise SystemExit(_fail(f"--input {path}: no such file", EXIT_CONFIG)) from None
+    except PermissionError:
+        raise SystemExit(_fail(f"--input {path}: permission denied", EXIT_CONFIG)) from None
+    except IsADirectoryError:
+        raise SystemExit(_fail(f"--input {path}: a directory, not a .npy/.npz file", EXIT_CONFIG)) from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise SystemExit(_fail(f"--input {path}: not a readable .npy/.npz file ({exc})", EXIT_CONFIG)) from None
 
 
 def _leaves(value, path: str = "") -> dict:
@@ -286,12 +378,16 @@ def _write_outputs(path: str, outputs: dict) -> None:
     import numpy as np
 
     arrays = {name: _as_array(value) for name, value in outputs.items()}
-    if path.endswith(".npz"):
-        np.savez(path, **arrays)
-    elif len(arrays) == 1:
-        np.save(path, next(iter(arrays.values())))
-    else:
-        raise SystemExit(_fail(f"{len(arrays)} outputs: use an .npz file for --output", EXIT_RUNTIME))
+    if not path.endswith(".npz") and len(arrays) != 1:
+        raise SystemExit(_fail(f"{len(arrays)} outputs: use an .npz file for --output", EXIT_CONFIG))
+    try:
+        with open(path, "wb") as handle:  # a file object: numpy adds no suffix to the name
+            if path.endswith(".npz"):
+                np.savez(handle, **arrays)
+            else:
+                np.save(handle, next(iter(arrays.values())))
+    except OSError as exc:
+        raise SystemExit(_fail(f"--output {path}: {exc.strerror or exc}", EXIT_RUNTIME)) from None
 
 
 if __name__ == "__main__":

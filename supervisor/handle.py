@@ -53,9 +53,17 @@ class ProbeRecord:
     last_ok: bool | None = None
     last_reason: str = ""
     consecutive_failures: int = 0
+    failures: int = 0  # every failed probe of this worker (metrics: modelwarden_probe_failures)
     drift: float | None = None
     latency_us: int | None = None
     baseline_us: int | None = None
+
+    def sent(self, rid: int, now: float) -> None:
+        self.rid, self.inflight_since = rid, now
+
+    def settle(self) -> None:
+        """No probe is in flight any more: answered, timed out, or its worker gone."""
+        self.rid = self.inflight_since = None
 
 
 @dataclass(eq=False)

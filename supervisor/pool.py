@@ -338,7 +338,7 @@ class ModelPool:
         probe = handle.probe
         timeout = self.config.probe.timeout
         if probe.inflight_since is not None and now - probe.inflight_since > timeout:
-            probe.inflight_since = probe.rid = None
+            probe.settle()
             probe.unanswered = True
             self.record_probe(handle, Verdict(False, f"no answer in {timeout}s"))
         if probe.unanswered and not handle.retiring:
@@ -375,6 +375,7 @@ class ModelPool:
             probe.consecutive_failures = 0
             return
         probe.consecutive_failures += 1
+        probe.failures += 1
         logger.warning("%s pid %s: probe failed (%d in a row): %s", handle.worker_id, handle.pid,
                        probe.consecutive_failures, verdict.reason)
         if probe.consecutive_failures >= self.config.probe.failures:

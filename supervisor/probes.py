@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from modelwarden.shared.config import ProbeConfig
-from modelwarden.shared.protocol import DTYPES
+from modelwarden.shared.descriptors import parse_reply_tensors
+from modelwarden.shared.protocol import DTYPES, TensorDesc
 
 _NUMPY = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
 
@@ -27,17 +28,23 @@ class Verdict:
     drift: float | None = None
 
 
-def decode_outputs(descs: list[dict], frames: list) -> list[np.ndarray]:
-    """Probe outputs (always inline) as float-comparable numpy arrays; bfloat16 widened."""
+def decode_outputs(descs: list, frames: list) -> list[np.ndarray]:
+    """A probe's output descriptors, as the worker sent them, checked (always inline: a
+    shared-memory one is refused) and decoded; ProtocolError(INTERNAL) if malformed."""
+    return probe_arrays(parse_reply_tensors(descs, frames, shm=False), frames)
+
+
+def probe_arrays(tensors: list[TensorDesc], frames: list) -> list[np.ndarray]:
+    """Checked inline outputs as float-comparable numpy arrays; bfloat16 widened."""
     arrays = []
-    for desc in descs:
-        raw = np.frombuffer(frames[desc["frame"]].buffer, dtype=np.uint8)
-        shape = tuple(desc["shape"])
-        if desc["dtype"] == "bfloat16":
+    for desc in tensors:
+        frame = frames[desc.frame]
+        raw = np.frombuffer(getattr(frame, "buffer", frame), dtype=np.uint8)
+        if desc.dtype == "bfloat16":
             widened = raw.view(np.uint16).astype(np.uint32) << 16
-            arrays.append(widened.view(np.float32).reshape(shape))
+            arrays.append(widened.view(np.float32).reshape(desc.shape))
         else:
-            arrays.append(raw.view(_NUMPY[desc["dtype"]]).reshape(shape))
+            arrays.append(raw.view(_NUMPY[desc.dtype]).reshape(desc.shape))
     return arrays
 
 

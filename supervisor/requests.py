@@ -4,7 +4,7 @@ holding it dies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from modelwarden.shared.protocol import POISON, WORKER_DIED, BAD_INPUT, ProtocolError
 
@@ -38,6 +38,20 @@ class Request:
     alone: bool = False  # it was in a batch when its worker died: from now on it runs alone
     queued_under_load: bool = False  # it found no worker with room (or a queue): it may wait
     batch_size: int = 1  # the size of the batch it was last dispatched in
+
+
+class Refused(NamedTuple):
+    """A request answered with an error at intake, before it became a Request: what metrics and
+    the access log read of it. ``model`` is "-" unless it names a configured model (a label must
+    not take any name a client sends)."""
+
+    client_id: Any
+    model: str
+    received_ns: int
+    rid: str = "-"
+    worker: Any = None
+    dispatched_ns: int = 0
+    batch_size: int = 1
 
 
 @dataclass(eq=False, slots=True)

@@ -24,13 +24,15 @@ from modelwarden.shared import fdchannel, protocol
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
                                          SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
                                          ProtocolError)
+from modelwarden.shared.descriptors import parse_reply
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import batching
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.limits import ReplyLedger, RequestBytes, payload_bytes
-from modelwarden.supervisor.probes import decode_outputs, Verdict
-from modelwarden.supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
+from modelwarden.supervisor.probes import Verdict, probe_arrays
+from modelwarden.supervisor.requests import (ProbeRequest, Refused, Request, after_worker_death,
+                                             check_declared)
 
 if TYPE_CHECKING:
     from modelwarden.shared.config import Settings
@@ -81,12 +83,15 @@ class Router:
         self.queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
         self.batches: dict[str, batching.BatchStats] = collections.defaultdict(batching.BatchStats)
         self._holds: dict[str, Any] = {}  # model -> the timer that sends its held partial batch
-        self._wanted: dict[str, "ModelPool"] = {}  # pools with new requests or freed workers
+        self._wanted: dict[str, "ModelPool"] = {}  # pools whose workers freed up this round
         self._rids = itertools.count(1)
         daemon = host.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
                                           daemon.max_request_bytes)
         self.replies = ReplyLedger(daemon.max_unread_bytes_per_connection, daemon.max_unread_bytes)
+        # Called once per answered request with (request, code, timing): "ok" or the error
+        # code; timing as the client sees it, None for an error. Metrics and the access log.
+        self.observers: list = []
 
     # -- intake -----------------------------------------------------------------------------
 
@@ -94,6 +99,7 @@ class Router:
                      header: dict) -> None:
         host = self.host
         request_id = protocol.request_id_of(header)
+        pool = None
         try:
             if host.stopping:
                 raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
@@ -119,6 +125,11 @@ class Router:
             self.request_bytes.take(connection, nbytes)  # last: nothing may refuse it after this
         except ProtocolError as exc:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
+            if self.observers:
+                refused = Refused(request_id, pool.name if pool is not None else "-",
+                                  time.perf_counter_ns())
+                for observe in self.observers:
+                    observe(refused, exc.code, None)
             return
         now = host.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
@@ -133,7 +144,7 @@ class Router:
             request.queued_under_load = bool(queue) or pool.least_loaded() is None
         self.pending[request.rid] = request
         queue.append(request)
-        self._wanted[pool.name] = pool
+        self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
 
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
         """The tokens the request uses, each checked: registered, and the region inside it."""
@@ -154,8 +165,9 @@ class Router:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch_wanted(self) -> None:
-        """Dispatch every pool that got requests or freed workers since the last call (the
-        loop calls it once per poll round)."""
+        """Dispatch every pool whose workers freed up since the last call (the loop calls it
+        once per poll round: results that arrive together free their workers before any of
+        them takes the next batch, so the batch is as full as the queue allows)."""
         while self._wanted:
             self.dispatch(self._wanted.popitem()[1])
 
@@ -227,8 +239,8 @@ class Router:
         except OSError as exc:
             if fdchannel.is_gone(exc):
                 return True  # the worker is dying: its sentinel will bring the request back
-            logger.error("%s: cannot pass buffers (%s)", handle.worker_id,
-                         errno.errorcode.get(exc.errno, exc))
+            logger.error("%s: cannot pass buffers for rid=%s id=%s (%s)", handle.worker_id,
+                         request.rid, request.client_id, errno.errorcode.get(exc.errno, exc))
             self.fail(request, OVERLOADED, f"worker {handle.worker_id} is not taking buffers; retry")
             return False
         return True
@@ -265,8 +277,7 @@ class Router:
         send_parts(self.host.backend, [handle.identity, protocol.pack(
             {"type": protocol.RUN, "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
-        handle.probe.inflight_since = now
-        handle.probe.rid = probe.rid
+        handle.probe.sent(probe.rid, now)
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -274,10 +285,12 @@ class Router:
         """``frames``: the reply header the worker wrote for the client, then its payload."""
         request = handle.inflight.pop(envelope.get("rid"), None)
         if request is None:
-            logger.error("%s answered a request it does not hold", handle.worker_id)
+            logger.error("%s answered rid=%s, a request it does not hold", handle.worker_id,
+                         envelope.get("rid"))
             return
         if not frames:
-            logger.error("%s sent a result without a reply header", handle.worker_id)
+            logger.error("%s sent a result without a reply header (rid=%s)", handle.worker_id,
+                         envelope.get("rid"))
             frames = [protocol.pack(protocol.error_header(None, protocol.INTERNAL,
                                                           "the worker's answer had no header"))]
             envelope = {"ok": False}
@@ -304,41 +317,40 @@ class Router:
                       "compute_us": envelope.get("compute_us"), "total_us": total_us,
                       "batch": envelope.get("batch", 1)}
             header = protocol.add_to_map(_buffer(frames[0]), "timing", timing)
+            self._answer(request, header, frames[1:], "ok", timing)
         else:
             handle.errors += 1
-            header = frames[0]
-        self._answer(request, header, frames[1:])
+            code = _error_code(frames[0]) if self.observers else ""
+            self._answer(request, frames[0], frames[1:], code)
 
     def _judge_probe(self, pool: "ModelPool", handle: WorkerHandle, probe: ProbeRequest,
                      envelope: dict, frames: list) -> None:
         record = handle.probe
         if record.rid != probe.rid:  # answered after its timeout, already counted as a failure
             return
-        record.inflight_since = record.rid = None
+        record.settle()
         try:
-            header = protocol.unpack_header(_buffer(frames[0]), strict=False)
-        except ProtocolError as exc:
-            header = protocol.error_header(None, protocol.INTERNAL, exc.message)
-        if not header.get("ok"):
-            error = header.get("error") or {}
-            verdict = Verdict(False, f"probe raised {error.get('code')}: {error.get('message')}")
-        else:
-            try:
-                descs = header.get("tensors") or []
-                outputs = decode_outputs(descs, frames[1:])
+            reply = parse_reply(protocol.unpack_header(_buffer(frames[0]), strict=False),
+                                frames[1:], shm=False)
+            if not reply.ok:
+                verdict = Verdict(False, f"probe raised {reply.error.code}: {reply.error.message}")
+            else:
+                outputs = probe_arrays(reply.tensors, frames[1:])
                 record.latency_us = envelope.get("compute_us")
-                verdict = pool.judge.judge([desc["dtype"] for desc in descs], outputs,
+                verdict = pool.judge.judge([desc.dtype for desc in reply.tensors], outputs,
                                            record.latency_us or 0, record.baseline_us)
-            except Exception as exc:  # a worker answering garbage fails its probe
-                verdict = Verdict(False, f"probe answer unreadable: {exc}")
+        except Exception as exc:  # a worker answering garbage fails its probe
+            verdict = Verdict(False, f"probe answer unreadable: {exc}")
         pool.record_probe(handle, verdict)
 
     def finish(self, request: Request, reply: dict) -> None:
         """Answer a request exactly once (with a header the supervisor wrote: an error)."""
-        self._answer(request, protocol.pack(reply))
+        self._answer(request, protocol.pack(reply), code=(reply.get("error") or {}).get("code", "ok"))
 
-    def _answer(self, request: Request, header, frames: list | None = None) -> None:
-        """Send the one answer: ``header`` is packed bytes (or a frame), ``frames`` its payload."""
+    def _answer(self, request: Request, header, frames: list | None = None, code: str = "ok",
+                timing: dict | None = None) -> None:
+        """Send the one answer: ``header`` is packed bytes (or a frame), ``frames`` its payload;
+        ``code`` and ``timing`` are for the observers."""
         if request.done:
             return
         request.done = True
@@ -352,10 +364,13 @@ class Router:
             if dropped is not None:
                 parts = [*request.route, SIGNATURE, protocol.pack(
                     protocol.error_header(request.client_id, OVERLOADED, dropped))]
+                code, timing = OVERLOADED, None
         try:
             send_parts(request.socket, parts)
         except zmq.ZMQError as exc:  # a closing socket at shutdown; a ROUTER drops the rest silently
-            logger.warning("could not answer request %s: %s", request.client_id, exc)
+            logger.warning("could not answer request rid=%s id=%s: %s", request.rid, request.client_id, exc)
+        for observe in self.observers:
+            observe(request, code, timing)
 
     def fail(self, request: Request, code: str, message: str) -> None:
         self.finish(request, protocol.error_header(request.client_id, code, message))
@@ -388,7 +403,7 @@ class Router:
         retry = []
         for request in held:
             if isinstance(request, ProbeRequest):
-                handle.probe.inflight_since = handle.probe.rid = None
+                handle.probe.settle()
                 continue
             if request.done:
                 continue
@@ -397,9 +412,12 @@ class Router:
             if verdict is None:
                 retry.append(request)
             else:
+                logger.error("%s died holding rid=%s id=%s: answering %s", handle.worker_id,
+                             request.rid, request.client_id, verdict)
                 self.fail(request, verdict, self._death_message(verdict, handle))
         if retry:
-            logger.warning("%s died holding %d request(s); retrying them", handle.worker_id, len(retry))
+            logger.warning("%s died holding %d request(s); retrying them (rid=%s)", handle.worker_id,
+                           len(retry), ",".join(str(request.rid) for request in retry))
             self.queues[pool.name].extendleft(reversed(retry))
         self.dispatch(pool)
 
@@ -421,6 +439,16 @@ class Router:
         for queue in self.queues.values():
             queue.clear()
 
+
+
+def _error_code(frame) -> str:
+    """The code in a worker's error reply header (for metrics and the access log)."""
+    try:
+        error = protocol.unpack_header(_buffer(frame), strict=False).get("error")
+    except ProtocolError:
+        return protocol.INTERNAL
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else protocol.INTERNAL
 
 
 def _buffer(frame):

@@ -213,8 +213,8 @@ def test_decode_bool():
 def test_decode_several_frames_by_index_and_scalars():
     floats = np.array([[1.5, -2.0]], np.float64).tobytes()
     ints = np.array(7, np.int32).tobytes()
-    frames = [zmq.Frame(ints), zmq.Frame(floats)]
-    descs = [{"dtype": "float64", "shape": [1, 2], "frame": 1}, {"dtype": "int32", "shape": [], "frame": 0}]
+    frames = [zmq.Frame(floats), zmq.Frame(ints)]
+    descs = [{"dtype": "float64", "shape": [1, 2], "frame": 0}, {"dtype": "int32", "shape": [], "frame": 1}]
     a, b = decode_outputs(descs, frames)
     assert a.dtype == np.float64 and a.tolist() == [[1.5, -2.0]]
     assert b.dtype == np.int32 and b.shape == () and int(b) == 7
@@ -237,3 +237,17 @@ def test_decoded_outputs_judge_against_recorded_golden():
     assert j.judge(["bfloat16", "bool"], run([1.0, 2.0]), 1, None).ok
     verdict = j.judge(["bfloat16", "bool"], run([1.0, 2.5]), 1, None)
     assert not verdict.ok and verdict.drift == 0.5
+
+
+@pytest.mark.parametrize("descs, frames", [
+    ([{"dtype": "float32", "shape": [1], "shm": ["0123456789abcdef" * 2, 0, 4]}], []),  # not inline
+    ([{"dtype": "float32", "shape": [2], "frame": 0}], [zmq.Frame(b"\x00" * 4)]),  # short frame
+    ([{"dtype": "float32", "shape": [1], "frame": 1}], [zmq.Frame(b"\x00" * 4)]),  # no frame 1
+    ([{"dtype": "float32", "frame": 0}], [zmq.Frame(b"\x00" * 4)]),  # no shape
+])
+def test_decode_refuses_a_malformed_probe_answer(descs, frames):
+    from modelwarden.shared.protocol import INTERNAL, ProtocolError
+
+    with pytest.raises(ProtocolError) as info:
+        decode_outputs(descs, frames)
+    assert info.value.code == INTERNAL

@@ -48,8 +48,8 @@ import torch
 import zmq
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import (check_bool_bytes, check_finite, dtype_name, flatten, from_bytes,
-                                      raw_bytes, unflatten)
+from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite, encode_leaves,
+                                      flatten, from_bytes, reply_placement, unflatten)
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
 from modelwarden.shared.shm import ALIGN, Segment
@@ -306,28 +306,14 @@ class WorkerServer:
         return MODEL_ERROR, f"{type(exc).__name__}: {exc}"
 
     def _encode(self, leaves: list, out, sources: list[Segment]) -> tuple[list, list]:
-        descs, frames, cursor = [], [], 0
-        threshold = self.spec.shm_threshold
-        for leaf in leaves:
-            tensor = leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
-            try:
-                dtype = dtype_name(tensor.dtype)
-            except TypeError as exc:
-                raise ProtocolError(MODEL_ERROR, str(exc)) from None
-            nbytes = tensor.numel() * tensor.element_size()
-            desc = {"dtype": dtype, "shape": list(tensor.shape)}
-            alias = _alias(tensor, nbytes, sources)
-            if alias is not None:
-                desc["shm"] = [alias[0].token, alias[1], nbytes]
-            elif out is not None and nbytes >= threshold and cursor + nbytes <= len(out[2]):
-                view = from_bytes(out[2][cursor:cursor + nbytes], dtype, tuple(tensor.shape))
-                view.copy_(tensor)
-                desc["shm"] = [out[0].token, out[1] + cursor, nbytes]
-                cursor += -(-nbytes // ALIGN) * ALIGN
-            else:
-                desc["frame"] = len(frames)
-                frames.append(raw_bytes(tensor.detach().to("cpu").contiguous()))
-            descs.append(desc)
+        """Each output where shared/codec.py's rule puts it: a pointer into an input's buffer, a
+        copy in the request's ``out`` region, or an inline frame."""
+        region = OutRegion(out[0].token, out[1], out[2], ALIGN) if out is not None else None
+        try:
+            descs, frames = encode_leaves(leaves, reply_placement(sources, region,
+                                                                  self.spec.shm_threshold))
+        except TypeError as exc:  # a dtype that cannot travel
+            raise ProtocolError(MODEL_ERROR, str(exc)) from None
         if self.stream is not None:
             self.stream.synchronize()
         return descs, frames
@@ -398,16 +384,3 @@ def _split_outputs(leaves: list, rows: list[int], dim: int) -> list[list]:
                              f"along dim {dim}, so it cannot be split by member")
         pieces.append(torch.split(tensor, rows, dim))
     return [[piece[member] for piece in pieces] for member in range(len(rows))]
-
-
-def _alias(tensor: torch.Tensor, nbytes: int, sources: list[Segment]) -> tuple[Segment, int] | None:
-    """An output lying inside an input's buffer comes back as a pointer into it, as the same
-    tensor would in-process: no copy at all."""
-    if not sources or nbytes == 0 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-        return None
-    address = tensor.data_ptr()
-    for segment in sources:
-        start = segment.address
-        if start <= address and address + nbytes <= start + segment.size:
-            return segment, address - start
-    return None

@@ -1,0 +1,154 @@
+"""Tensor descriptors and replies on the wire: the torch-free half of the codec.
+
+Every descriptor is built here and every reply is read here, by the client, the worker and the
+supervisor alike (``shared/codec.py`` adds the torch half: tensors in, tensors out). This module
+imports nothing but ``shared.protocol``, so the supervisor, which never imports torch, reads
+replies with the same parser as the client.
+
+Building (the wire form, see ``shared.protocol``)::
+
+    inline_desc("float32", (2, 64), 0)           -> {"dtype": ..., "shape": [2, 64], "frame": 0}
+    shm_desc("float32", (2, 64), (TOKEN, 0, 512)) -> {"dtype": ..., "shape": [2, 64], "shm": [...]}
+
+Reading: ``parse_reply(header, frames)`` checks a reply -- a client's reply or a worker's result
+-- and returns an ``InferReply``: ``ok``, the outputs TREE, one checked ``TensorDesc`` per
+output, the error (code, message, detail), the worker and the timing. Anything malformed raises
+``ProtocolError(INTERNAL, ...)``: a malformed reply is the sender's bug (the daemon's or a
+worker's), never the reader's, and it never raises anything else (no KeyError, no assert).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from modelwarden.shared.protocol import (INTERNAL, MAX_NAME_BYTES, ProtocolError, TensorDesc,
+                                         check_tree, frame_lengths_match, parse_tensors,
+                                         request_id_of)
+
+MAX_ERROR_CODE_BYTES = 64
+
+
+# -- building -----------------------------------------------------------------------------------
+
+
+def inline_desc(dtype: str, shape, frame: int) -> dict:
+    """A tensor travelling as payload frame number ``frame`` (frames count 0, 1, 2... in order)."""
+    return {"dtype": dtype, "shape": list(shape), "frame": frame}
+
+
+def shm_desc(dtype: str, shape, region: tuple[str, int, int]) -> dict:
+    """A tensor lying in shared memory: ``region`` is (token, offset, nbytes)."""
+    return {"dtype": dtype, "shape": list(shape), "shm": list(region)}
+
+
+def wire_desc(desc: TensorDesc) -> dict:
+    """The wire form of a checked descriptor (what a relay or a test sends on)."""
+    if desc.shm is not None:
+        return shm_desc(desc.dtype, desc.shape, desc.shm)
+    return inline_desc(desc.dtype, desc.shape, desc.frame)
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+class ReplyError(NamedTuple):
+    code: str
+    message: str
+    detail: str | None = None
+
+
+class InferReply(NamedTuple):
+    """A checked reply. ``tensors`` are empty and ``error`` set when ``ok`` is False."""
+
+    id: Any  # the request id echoed, None if absent or unusable
+    ok: bool
+    outputs: Any  # TREE over ``tensors``; None on failure
+    tensors: list[TensorDesc]
+    error: ReplyError | None
+    worker: str | None
+    timing: dict[str, int]
+
+
+def malformed(message: str) -> ProtocolError:
+    return ProtocolError(INTERNAL, f"malformed reply: {message}")
+
+
+def parse_reply(header: Any, frames: list, shm: bool = True) -> InferReply:
+    """Check a reply header against its payload frames. ``shm=False`` refuses shared-memory
+    descriptors (a probe's answer is always inline)."""
+    if not isinstance(header, dict):
+        raise malformed("the header is not a map")
+    ok = header.get("ok")
+    if type(ok) is not bool:
+        raise malformed("'ok' must be true or false")
+    worker = _optional_str(header, "worker")
+    timing = _timing(header.get("timing"))
+    if not ok:
+        if frames:
+            raise malformed(f"a failure carries no payload, got {len(frames)} frames")
+        return InferReply(request_id_of(header), False, None, [], _error(header.get("error")),
+                          worker, timing)
+    if "outputs" not in header:
+        raise malformed("a success needs 'outputs'")
+    tensors = parse_reply_tensors(header.get("tensors"), frames, shm)
+    try:
+        check_tree(header["outputs"], len(tensors), "'outputs'")
+    except ProtocolError as exc:
+        raise malformed(exc.message) from None
+    return InferReply(request_id_of(header), True, header["outputs"], tensors, None, worker, timing)
+
+
+def parse_reply_tensors(descs: Any, frames: list, shm: bool = True) -> list[TensorDesc]:
+    """The output descriptors of a reply, checked against its frames: inline ones number the
+    frames 0, 1, 2... in order, use all of them, and each frame holds exactly its bytes."""
+    try:
+        tensors = parse_tensors(descs)
+    except ProtocolError as exc:
+        raise malformed(exc.message) from None
+    inline = 0
+    for desc in tensors:
+        if desc.frame is not None:
+            inline += 1
+        elif not shm:
+            raise malformed("a shared-memory descriptor where only inline tensors may come")
+    if inline != len(frames):
+        raise malformed(f"{inline} inline tensors but {len(frames)} payload frames")
+    try:
+        frame_lengths_match(tensors, frames)
+    except ProtocolError as exc:
+        raise malformed(exc.message) from None
+    return tensors
+
+
+def _error(value: Any) -> ReplyError:
+    if not isinstance(value, dict):
+        raise malformed("a failure needs an 'error' map")
+    code, message, detail = value.get("code"), value.get("message"), value.get("detail")
+    if not isinstance(code, str) or not code or len(code.encode()) > MAX_ERROR_CODE_BYTES:
+        raise malformed(f"'error.code' must be a non-empty string of at most "
+                        f"{MAX_ERROR_CODE_BYTES} bytes")
+    if not isinstance(message, str):
+        raise malformed("'error.message' must be a string")
+    if detail is not None and not isinstance(detail, str):
+        raise malformed("'error.detail' must be a string when present")
+    return ReplyError(code, message, detail)
+
+
+def _optional_str(header: dict, key: str) -> str | None:
+    value = header.get(key)
+    if value is not None and (not isinstance(value, str) or len(value.encode()) > MAX_NAME_BYTES):
+        raise malformed(f"'{key}' must be a string of at most {MAX_NAME_BYTES} bytes")
+    return value
+
+
+def _timing(value: Any) -> dict[str, int]:
+    """Named non-negative integer counters; names a reader does not know are kept (the set grows:
+    batching adds ``batch``)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise malformed("'timing' must be a map")
+    for key, count in value.items():
+        if not isinstance(key, str) or type(count) is not int or count < 0:
+            raise malformed("'timing' maps names to non-negative integers")
+    return value
