@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-stamp
 TORCH   ?= torch==2.13.0
 CONFIG  ?= examples/modelwarden.toml
 
-.PHONY: install run test test-fast bench soak mutants lint clean
+.PHONY: install run test test-fast bench bench-serving soak mutants lint clean
 
 install: $(STAMP)
 
@@ -28,6 +28,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/payloads.py
+
+# Closed-loop serving benchmark against in-process schemes and peers (mosec, LitServe, Ray Serve,
+# PyTriton), each installed on first use into its own virtualenv under bench/.peers/.
+bench-serving: $(STAMP)
+	$(PY) bench/serving.py
 
 soak: $(STAMP)
 	$(PY) bench/soak.py

@@ -1,0 +1,82 @@
+"""Closed-loop HTTP/1.1 keep-alive load on one peer, run with the peer's own python.
+
+    python httpload.py --url URL --format bytes|json-b64 --data inputs.pt --concurrency 8 \
+        --warmup 1 --duration 5
+
+The client is httpx (mosec's documented client): one keep-alive ``httpx.Client`` when one
+request is in flight, else ``httpx.AsyncClient`` with one connection per in-flight request.
+``inputs.pt`` holds ``{"inputs": [...], "expected": [...], "atol", "rtol"}``: request i sends
+inputs[i % n], and a sample of answers is compared with expected[i % n]. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+
+from common import from_bytes, to_bytes  # also puts the repository root on sys.path
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+
+from bench.loadgen import Window, run_async, run_threads  # noqa: E402
+
+
+def encoders(fmt: str):
+    if fmt == "bytes":
+        return (lambda x: {"content": to_bytes(x),
+                           "headers": {"content-type": "application/octet-stream"}},
+                lambda response, shape: from_bytes(response.content, shape))
+    return (lambda x: {"json": {"b64": base64.b64encode(to_bytes(x)).decode()}},
+            lambda response, shape: from_bytes(base64.b64decode(response.json()["b64"]), shape))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--format", choices=("bytes", "json-b64"), default="bytes")
+    parser.add_argument("--data", required=True)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--duration", type=float, default=5.0)
+    args = parser.parse_args()
+    data = torch.load(args.data, weights_only=True)
+    encode, decode = encoders(args.format)
+    bodies = [encode(x) for x in data["inputs"]]
+    expected = data["expected"]
+    shapes = [tuple(y.shape) for y in expected]
+
+    def check(index: int, output) -> bool:
+        return torch.allclose(output, expected[index], atol=data["atol"], rtol=data["rtol"])
+
+    window = Window(args.warmup, args.duration)
+    if args.concurrency == 1:
+        client = httpx.Client(timeout=30)
+
+        def call(index: int):
+            response = client.post(args.url, **bodies[index])
+            response.raise_for_status()
+            return decode(response, shapes[index])
+
+        result = run_threads(call, 1, window, len(bodies), check)
+    else:
+        result = asyncio.run(_run_async(args, bodies, decode, shapes, window, check))
+    print(json.dumps(result))
+
+
+async def _run_async(args, bodies, decode, shapes, window, check) -> dict:
+    limits = httpx.Limits(max_connections=args.concurrency,
+                          max_keepalive_connections=args.concurrency)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        async def call(index: int):
+            response = await client.post(args.url, **bodies[index])
+            response.raise_for_status()
+            return decode(response, shapes[index])
+
+        return await run_async(call, args.concurrency, window, len(bodies), check)
+
+
+if __name__ == "__main__":
+    main()
