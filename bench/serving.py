@@ -358,7 +358,7 @@ class Peer:
     name: str
     requirements: tuple[str, ...]
     path: str  # the inference route
-    body: str  # "bytes" or "json-b64" (bench/peers/httpload.py)
+    body: str  # "bytes", "json-b64" or "triton" (bench/peers/httpload.py)
     transport: str
     start_timeout_s: float = 120.0
 
@@ -368,7 +368,7 @@ PEERS = {
     "litserve": Peer("litserve", ("litserve==0.2.19",), "/predict", "json-b64",
                      "HTTP/1.1 (uvicorn)"),
     "ray": Peer("ray", ("ray[serve]==2.60.0",), "/", "bytes", "HTTP/1.1 (Ray proxy)", 240.0),
-    "pytriton": Peer("pytriton", ("nvidia-pytriton==0.7.0",), "/v2/models/bench/infer", "bytes",
+    "pytriton": Peer("pytriton", ("nvidia-pytriton==0.7.0",), "/v2/models/bench/infer", "triton",
                      "HTTP/1.1 (Triton)", 240.0),
 }
 PEER_COMMON = (TORCH, "numpy", "httpx==0.28.1")
@@ -427,6 +427,10 @@ def request_body(peer: Peer, x: torch.Tensor) -> tuple[bytes, str]:
     raw = x.contiguous().numpy().tobytes()
     if peer.body == "bytes":
         return raw, "application/octet-stream"
+    if peer.body == "triton":  # readiness only needs the status: JSON tensors are fine
+        inputs = [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                   "data": x.flatten().tolist()}]
+        return json.dumps({"inputs": inputs}).encode(), "application/json"
     return json.dumps({"b64": base64.b64encode(raw).decode()}).encode(), "application/json"
 
 
@@ -469,16 +473,38 @@ def start_peer(peer: Peer, workdir: Path, workload: Workload, spec: Path, batch:
     return process, url
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: some peers start servers in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def stop_peer(process: subprocess.Popen) -> None:
-    """The whole process group: peers start front-ends and workers of their own."""
+    """SIGTERM to the server (each script shuts its own pieces down), then SIGKILL to whatever
+    of its process tree is left."""
+    tree = descendants(process.pid)
+    process.terminate()
     try:
-        os.killpg(process.pid, 15)
         process.wait(30)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
+        process.kill()
         process.wait()
-    except ProcessLookupError:
-        pass
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
 
 
 def peer_point(peer: Peer, url: str, data: Path, concurrency: int, timing: Timing) -> dict:

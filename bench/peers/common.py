@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -46,3 +47,11 @@ def forward_batch(model, inputs: list) -> list:
             return [model(inputs[0])]
         output = model(torch.cat(inputs))
         return list(output.split([x.shape[0] for x in inputs]))
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so the server's finally/with blocks stop what it started."""
+    def leave(signum, frame):
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, leave)

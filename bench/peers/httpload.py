@@ -1,6 +1,6 @@
 """Closed-loop HTTP/1.1 keep-alive load on one peer, run with the peer's own python.
 
-    python httpload.py --url URL --format bytes|json-b64 --data inputs.pt --concurrency 8 \
+    python httpload.py --url URL --format bytes|json-b64|triton --data inputs.pt --concurrency 8 \
         --warmup 1 --duration 5
 
 The client is httpx (mosec's documented client): one keep-alive ``httpx.Client`` when one
@@ -24,7 +24,25 @@ import torch  # noqa: E402
 from bench.loadgen import Window, run_async, run_threads  # noqa: E402
 
 
+def triton_request(x) -> dict:
+    """KServe v2 with Triton's binary tensor extension (what tritonclient's HTTP client sends)."""
+    raw = to_bytes(x)
+    header = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(raw)}}],
+                         "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+    return {"content": header + raw,
+            "headers": {"content-type": "application/octet-stream",
+                        "inference-header-content-length": str(len(header))}}
+
+
+def triton_output(response, shape):
+    start = int(response.headers.get("inference-header-content-length", len(response.content)))
+    return from_bytes(response.content[start:], shape)
+
+
 def encoders(fmt: str):
+    if fmt == "triton":
+        return triton_request, triton_output
     if fmt == "bytes":
         return (lambda x: {"content": to_bytes(x),
                            "headers": {"content-type": "application/octet-stream"}},
@@ -36,7 +54,7 @@ def encoders(fmt: str):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--url", required=True)
-    parser.add_argument("--format", choices=("bytes", "json-b64"), default="bytes")
+    parser.add_argument("--format", choices=("bytes", "json-b64", "triton"), default="bytes")
     parser.add_argument("--data", required=True)
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--warmup", type=float, default=1.0)
