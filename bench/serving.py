@@ -26,7 +26,7 @@ Systems (--only takes these names, comma-separated):
                (bench/peers/httpload.py) running in the peer's virtualenv.
 
 Every point is a closed loop at 1, 8 and 64 requests in flight (--concurrency): a warm-up, then a
-fixed measuring window (1 s + 5 s; --quick: 0.3 s + 1.2 s). Per point: requests/s, p50, p99,
+fixed measuring window (1 s + 4 s; --quick: 0.3 s + 1.2 s). Per point: requests/s, p50, p99,
 errors (a sample of answers is compared with the in-process model: a mismatch is an error) and,
 for modelwarden, the supervisor's CPU time (utime + stime from /proc/PID/stat) per request.
 After the table: each target of issue 9 as a ratio of numbers measured in this run, PASS/MISS.
@@ -117,12 +117,16 @@ def forward_p50_ms(model, x: torch.Tensor, seconds: float = 0.5) -> float:
     return statistics.median(samples) * 1000
 
 
-def calibrate_busy_depth() -> int:
-    """The depth whose batch-1 forward on one thread takes ~BUSY_TARGET_MS on this machine."""
-    probe_depth = 8
-    per_layer = forward_p50_ms(FACTORIES["busy"](depth=probe_depth),
-                               torch.randn(1, BUSY_WIDTH)) / probe_depth
-    return max(1, round(BUSY_TARGET_MS / per_layer))
+def calibrate_busy_depth(rounds: int = 4) -> int:
+    """The depth whose batch-1 forward on one thread takes ~BUSY_TARGET_MS on this machine.
+    Rescaled a few times: the time per layer grows once the weights no longer fit in cache."""
+    x, depth = torch.randn(1, BUSY_WIDTH), 16
+    for _ in range(rounds):
+        took = forward_p50_ms(FACTORIES["busy"](depth=depth), x, seconds=0.3)
+        if abs(took - BUSY_TARGET_MS) < 0.1 * BUSY_TARGET_MS:
+            break
+        depth = max(1, round(depth * BUSY_TARGET_MS / took))
+    return depth
 
 
 def prepare(workload: Workload) -> None:
@@ -703,7 +707,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    timing = Timing(0.3, 1.2) if args.quick else Timing(1.0, 5.0)
+    timing = Timing(0.3, 1.2) if args.quick else Timing(1.0, 4.0)
     started = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="mwsrv-", dir="/tmp"))
     notes: list[str] = []
@@ -737,6 +741,9 @@ def main(argv=None) -> int:
         "workloads": {w.name: {"title": w.title, "kind": w.kind, "kwargs": w.kwargs,
                                "input_shape": w.input_shape, "forward_p50_ms": w.forward_p50_ms,
                                "batch_p50_ms": w.batch_p50_ms} for w in workloads.values()},
+        "peers": {name: {"requirements": list(PEER_COMMON + peer.requirements),
+                         "transport": peer.transport} for name, peer in PEERS.items()
+                  if name in args.systems},
         "points": rows, "targets": report, "notes": notes, "elapsed_s": elapsed}, indent=2))
     print(f"wrote {out}")
     return 0
