@@ -3,7 +3,8 @@ last one is answered, for a warm-up and then a fixed measuring window.
 
 Standard library only: the peers' HTTP load generator (bench/peers/httpload.py) runs it in the
 peer's own virtualenv. A request counts in the window when it *ends* inside it; its latency is
-its own round trip. ``check(index, output)`` runs on every ``check_every``-th answer; a False
+its own round trip (requests still in flight DRAIN_S after the window are cancelled).
+``check(index, output)`` runs on every CHECK_EVERY-th answer of a caller; a False
 (or an exception) counts as a mismatch, and mismatches are errors.
 """
 
@@ -15,6 +16,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 CHECK_EVERY = 25
+DRAIN_S = 2.0  # how long the async callers may finish their last requests after the window
 
 
 class Window:
@@ -137,7 +139,14 @@ async def run_async(call: Callable[[int], Awaitable[Any]], concurrency: int, win
         await asyncio.sleep(max(0.0, (window.end - time.perf_counter_ns()) / 1e9))
         window.take_probe()
 
-    await asyncio.gather(prober(), *(caller(n) for n in range(concurrency)))
+    callers = [asyncio.ensure_future(caller(n)) for n in range(concurrency)]
+    await prober()
+    # Requests still in flight after the window count for nothing: a slow server's backlog
+    # (64 x its latency) must not hold the next point up. Abandoned, they are cancelled.
+    _, late = await asyncio.wait(callers, timeout=DRAIN_S)
+    for task in late:
+        task.cancel()
+    await asyncio.gather(*callers, return_exceptions=True)
     return window.summary()
 
 
