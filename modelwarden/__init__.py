@@ -13,11 +13,30 @@ The client API::
 """
 
 from modelwarden.shared import __version__
-from modelwarden.shared.client import AsyncClient, Client, Reply
-from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
-                                       OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown,
-                                       Timeout, UnknownModel, WorkerDied)
 
-__all__ = ["__version__", "Client", "AsyncClient", "Reply", "RemoteError", "BadRequest", "BadInput",
-           "UnknownModel", "NoWorker", "ModelError", "OutOfMemory", "WorkerDied", "Poison",
-           "Timeout", "Overloaded", "ShuttingDown", "InternalError"]
+# The client API is loaded on first use (PEP 562): the client needs torch, the supervisor does
+# not, and the daemon imports this package too (``python -m modelwarden``, ``modelwarden.*``).
+_EXPORTS = {
+    "Client": "modelwarden.shared.client", "AsyncClient": "modelwarden.shared.client",
+    "Reply": "modelwarden.shared.client",
+    **{name: "modelwarden.shared.errors" for name in (
+        "RemoteError", "BadRequest", "BadInput", "UnknownModel", "NoWorker", "ModelError",
+        "OutOfMemory", "WorkerDied", "Poison", "Timeout", "Overloaded", "ShuttingDown",
+        "InternalError")},
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'modelwarden' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

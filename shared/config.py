@@ -99,6 +99,21 @@ class ProbeConfig(_Strict):
     timeout: float = Field(default=10.0, gt=0)
 
 
+class BatchingConfig(_Strict):
+    """Dynamic batching in the supervisor's dispatch (see docs/ARCHITECTURE.md "Batching")."""
+
+    max_size: int = Field(default=1, ge=1, le=256,
+                          description="requests merged into one forward pass at most (1 = off)")
+    max_delay_us: int = Field(default=0, ge=0, le=10_000_000,
+                              description="how long a partial batch may wait for more, under load")
+    dim: int = Field(default=0, ge=0, le=31, description="the batch dimension of inputs and outputs")
+    max_rows: int = Field(default=0, ge=0, description="cap on the summed batch dimension (0 = none)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_size > 1
+
+
 class ModelConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     source: str
@@ -117,6 +132,7 @@ class ModelConfig(_Strict):
     max_queue: int = Field(default=1024, ge=1)
     max_inflight: int = Field(default=1, ge=1, le=64)
     retries: int = Field(default=1, ge=0, le=1)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
     # health and restarts
     heartbeat_timeout: float = Field(default=30.0, gt=0)
     start_timeout: float = Field(default=300.0, gt=0)

@@ -199,11 +199,36 @@ def bad(message: str) -> ProtocolError:
     return ProtocolError(BAD_REQUEST, message)
 
 
+# -- backend message types ----------------------------------------------------------------------
+# The supervisor <-> worker messages (internal; worker/serve.py's docstring is their spec). Both
+# sides name them by these constants, never by literals.
+RUN = "run"            # supervisor -> worker: one request, or the probe
+BATCH = "batch"        # supervisor -> worker: several requests for one forward pass
+FORGET = "forget"      # supervisor -> worker: unmap revoked client buffers
+STOP = "stop"          # supervisor -> worker: exit 0
+HELLO = "hello"        # worker -> supervisor: the spawn secret, first
+STATE = "state"        # worker -> supervisor: LOADING, WARMING, READY
+FAILED = "failed"      # worker -> supervisor: why it could not start
+HEARTBEAT = "heartbeat"
+RESULT = "result"      # worker -> supervisor: one request's answer
+
+
 # -- framing ------------------------------------------------------------------------------------
 
 
 def pack(header: dict) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
+
+
+def add_to_map(packed, key: str, value: Any) -> bytes:
+    """A packed map with one more entry, without decoding it: the supervisor adds ``timing`` to
+    the reply header a worker wrote. ``key`` must not be in the map already."""
+    first = packed[0]
+    if 0x80 <= first < 0x8F:  # a fixmap with room for one more entry
+        return b"".join((bytes((first + 1,)), packed[1:], pack(key), pack(value)))
+    header = unpack_header(packed, strict=False)
+    header[key] = value
+    return pack(header)
 
 
 def unpack_header(buf, strict: bool = True) -> dict:

@@ -1,8 +1,16 @@
-"""Worker lifecycle states and the only transitions allowed between them.
+"""Two state machines, each an enum with its table of legal transitions, and worker exit codes.
 
-A worker process walks STARTING -> LOADING -> WARMING -> READY -> DRAINING -> STOPPED; any live
-state may end in DEAD. BACKOFF and FATAL describe a *slot* between incarnations: waiting to
-restart after a failed start, or given up on until ``modelwarden restart``.
+A **worker** (``WorkerState``) is one process, one incarnation: it walks STARTING -> LOADING ->
+WARMING -> READY -> DRAINING -> STOPPED, and any live state may end in DEAD. STOPPED and DEAD are
+final: a process is never restarted, a new incarnation is a new worker.
+
+A **slot** (``SlotState``) is a place for one worker (fixed cores/device) that outlives its
+incarnations. While it has a current worker, the slot's state *follows* that worker's
+(``SLOT_FOLLOWS``: booting -> STARTING, READY -> READY, DRAINING -> DRAINING, STOPPED -> STOPPED,
+DEAD -> DEAD). Between incarnations it is what the restart policy chose: STARTING again,
+BACKOFF (waiting out a delay), FATAL (given up on until ``modelwarden restart``) or STOPPED.
+Every edge a current worker can take maps onto a legal slot edge (a unit test checks it), so
+following never raises.
 """
 
 from __future__ import annotations
@@ -18,43 +26,76 @@ class WorkerState(str, enum.Enum):
     DRAINING = "DRAINING"  # finishing what it holds; gets nothing new
     STOPPED = "STOPPED"  # exited cleanly when asked to
     DEAD = "DEAD"  # exited or was killed when it should not have
-    BACKOFF = "BACKOFF"  # slot: waiting out a delay before the next start
-    FATAL = "FATAL"  # slot: too many failed starts; only a restart command revives it
 
 
-S = WorkerState
+class SlotState(str, enum.Enum):
+    STOPPED = "STOPPED"  # no worker and none to come: not started yet, or stopped
+    STARTING = "STARTING"  # its current worker is booting (STARTING, LOADING or WARMING)
+    READY = "READY"  # its current worker serves
+    DRAINING = "DRAINING"  # its current worker drains (shutdown)
+    DEAD = "DEAD"  # its current worker died; the restart policy decides what comes next
+    BACKOFF = "BACKOFF"  # no worker: waiting out a delay before the next start
+    FATAL = "FATAL"  # no worker: too many failed starts; only a restart command revives it
 
-TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+
+W = WorkerState
+S = SlotState
+
+WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     # STARTING -> LOADING: the child placed itself and said hello
-    S.STARTING: frozenset({S.LOADING, S.DRAINING, S.DEAD}),
+    W.STARTING: frozenset({W.LOADING, W.DRAINING, W.DEAD}),
     # LOADING -> WARMING: the model loaded
-    S.LOADING: frozenset({S.WARMING, S.DRAINING, S.DEAD}),
+    W.LOADING: frozenset({W.WARMING, W.DRAINING, W.DEAD}),
     # WARMING -> READY: warm-up done; only now does it get traffic
-    S.WARMING: frozenset({S.READY, S.DRAINING, S.DEAD}),
+    W.WARMING: frozenset({W.READY, W.DRAINING, W.DEAD}),
     # READY -> DRAINING: replaced, recycled or shutting down
-    S.READY: frozenset({S.DRAINING, S.DEAD}),
+    W.READY: frozenset({W.DRAINING, W.DEAD}),
     # DRAINING -> STOPPED: held nothing more and exited when told
+    W.DRAINING: frozenset({W.STOPPED, W.DEAD}),
+    # final: the slot starts a new incarnation instead
+    W.STOPPED: frozenset(),
+    W.DEAD: frozenset(),
+}
+
+SLOT_TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
+    # STOPPED -> STARTING: first start, or a stopped slot restarted by a command
+    S.STOPPED: frozenset({S.STARTING}),
+    # STARTING -> READY | DRAINING | DEAD: its booting worker did so
+    S.STARTING: frozenset({S.READY, S.DRAINING, S.DEAD}),
+    # READY -> STARTING: a replacement boots (the old worker serves on as `previous`)
+    # READY -> DRAINING | DEAD: its serving worker did so
+    S.READY: frozenset({S.STARTING, S.DRAINING, S.DEAD}),
+    # DRAINING -> STOPPED | DEAD: its draining worker did so
     S.DRAINING: frozenset({S.STOPPED, S.DEAD}),
-    # DEAD -> STARTING (restart at once) | BACKOFF (failed start) | FATAL (gave up)
+    # DEAD -> STARTING (restart at once) | BACKOFF (failed start) | FATAL (gave up) | STOPPED
     S.DEAD: frozenset({S.STARTING, S.BACKOFF, S.FATAL, S.STOPPED}),
     # BACKOFF -> STARTING: the delay passed
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED}),
     # FATAL -> STARTING: an operator asked for a restart
     S.FATAL: frozenset({S.STARTING, S.STOPPED}),
-    # STOPPED -> STARTING: a stopped slot restarted by a command
-    S.STOPPED: frozenset({S.STARTING}),
 }
 
-ALIVE = frozenset({S.STARTING, S.LOADING, S.WARMING, S.READY, S.DRAINING})
-BOOTING = frozenset({S.STARTING, S.LOADING, S.WARMING})
+# The slot's state while ``worker`` is its current incarnation.
+SLOT_FOLLOWS: dict[WorkerState, SlotState] = {
+    W.STARTING: S.STARTING, W.LOADING: S.STARTING, W.WARMING: S.STARTING, W.READY: S.READY,
+    W.DRAINING: S.DRAINING, W.STOPPED: S.STOPPED, W.DEAD: S.DEAD,
+}
+
+ALIVE = frozenset({W.STARTING, W.LOADING, W.WARMING, W.READY, W.DRAINING})
+BOOTING = frozenset({W.STARTING, W.LOADING, W.WARMING})
+
+_TABLES: dict[type, dict] = {WorkerState: WORKER_TRANSITIONS, SlotState: SLOT_TRANSITIONS}
 
 
 class IllegalTransition(RuntimeError):
     pass
 
 
-def check_transition(current: WorkerState, new: WorkerState) -> None:
-    if new not in TRANSITIONS[current]:
+def check_transition(current: WorkerState | SlotState, new: WorkerState | SlotState) -> None:
+    """Raise unless ``current -> new`` is an edge of the machine both states belong to."""
+    if type(new) is not type(current):  # the enums are str-valued: "READY" == "READY" across them
+        raise IllegalTransition(f"{current!r} -> {new!r} crosses two state machines")
+    if new not in _TABLES[type(current)][current]:
         raise IllegalTransition(f"{current.value} -> {new.value} is not a legal transition")
 
 

@@ -56,6 +56,7 @@ from modelwarden.worker import main as worker_main
 logger = logging.getLogger(__name__)
 
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
+DRAIN_MAX = 64  # messages read from one socket per poll round
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
 
@@ -138,6 +139,9 @@ class Arbiter:
                 handler = self._handlers.get(item)
                 if handler is not None:
                     self._guarded(handler)
+            # Requests accepted and results received in this round are dispatched together:
+            # once per model per round, and a worker freed in the round takes what queued in it.
+            self._guarded(self.router.dispatch_wanted)
             self.timers.run_due(self.clock())
         # No worker is left to serve what is still queued (every slot was restarting, or the
         # last one died while draining): answer it rather than leave it without a reply.
@@ -283,13 +287,13 @@ class Arbiter:
 
     def _on_frontend(self, index: int) -> None:
         sock = self.frontends[index]
-        frames = recv_parts(sock)
-        try:
-            self._frontend_message(index, sock, frames)
-        except Exception:
-            logger.exception("error handling a client message")
-            self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
-                                   "internal error; see the daemon's log")
+        for frames in _drain(sock):
+            try:
+                self._frontend_message(index, sock, frames)
+            except Exception:
+                logger.exception("error handling a client message")
+                self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
+                                       "internal error; see the daemon's log")
 
     def _frontend_message(self, index: int, sock: zmq.Socket, frames: list) -> None:
         try:
@@ -373,7 +377,8 @@ class Arbiter:
         send_parts(sock, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
     def _on_backend(self) -> None:
-        self._worker_message(recv_parts(self.backend))
+        for frames in _drain(self.backend):
+            self._guarded(functools.partial(self._worker_message, frames))
 
     def _worker_message(self, frames: list) -> None:
         identity = frames[0].bytes
@@ -395,14 +400,14 @@ class Arbiter:
         handle.last_seen = self.clock()
         pool = self.pools[handle.spec.model.name]
         kind = header.get("type")
-        if kind == "result":
+        if kind == protocol.RESULT:
             self.router.on_result(pool, handle, header, frames[2:])
-        elif kind == "heartbeat":
+        elif kind == protocol.HEARTBEAT:
             handle.cuda_bytes = header.get("cuda_bytes")
-        elif kind == "state":
+        elif kind == protocol.STATE:
             pool.on_worker_state(handle, header.get("state"), header.get("info") or {})
             self.notifier.status(self._summary())
-        elif kind == "failed":
+        elif kind == protocol.FAILED:
             handle.failure = f"{header.get('stage')}: {header.get('message')}"
             pool.slot_of(handle).failure = handle.failure
         else:
@@ -467,13 +472,13 @@ class Arbiter:
             if held:
                 handle.buffers -= held
                 send_parts(self.backend, [handle.identity,
-                                          protocol.pack({"type": "forget", "tokens": sorted(held)})])
+                                          protocol.pack({"type": protocol.FORGET, "tokens": sorted(held)})])
 
     def _watchdog(self) -> None:
         self.notifier.watchdog()
         self.timers.call_at(self.clock() + self.notifier.watchdog_interval, self._watchdog)
 
-    # -- what pools and commands call -------------------------------------------------------
+    # -- what pools (PoolHost, supervisor/pool.py) and commands call ------------------------
 
     def worker_spec(self, config: ModelConfig, slot: int, generation: int,
                     placement: SlotPlacement) -> WorkerSpec:
@@ -512,9 +517,12 @@ class Arbiter:
         return handle
 
     def send_stop(self, handle: WorkerHandle) -> None:
-        send_parts(self.backend, [handle.identity, protocol.pack({"type": "stop"})])
+        send_parts(self.backend, [handle.identity, protocol.pack({"type": protocol.STOP})])
 
-    def dispatch(self, pool: ModelPool) -> None:
+    def signal_worker(self, handle: WorkerHandle, signum: int) -> None:
+        handle.signal(signum)
+
+    def on_worker_ready(self, pool: ModelPool) -> None:
         self.router.dispatch(pool)
 
     def recover_requests(self, pool: ModelPool, handle: WorkerHandle) -> None:
@@ -574,3 +582,13 @@ class Arbiter:
                     pool.drain(handle, "shutdown")
                 elif handle.alive and handle.state != WorkerState.DRAINING:
                     pool.terminate(handle, "shutdown")
+
+
+def _drain(sock: zmq.Socket):
+    """The messages waiting on a socket, up to DRAIN_MAX: one poll serves many messages, and no
+    one socket can starve the others."""
+    for _ in range(DRAIN_MAX):
+        try:
+            yield recv_parts(sock, zmq.NOBLOCK)
+        except zmq.Again:
+            return

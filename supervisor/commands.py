@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from modelwarden.shared import __version__
 from modelwarden.shared.config import format_cores
 from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
-from modelwarden.shared.states import WorkerState
+from modelwarden.shared.states import SlotState
 from modelwarden.supervisor.handle import read_rss
 
 if TYPE_CHECKING:
@@ -94,10 +94,11 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
     now = arbiter.clock()
     models, workers = [], []
     for pool in arbiter.pools.values():
-        fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == WorkerState.FATAL]
+        fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == SlotState.FATAL]
         models.append({"name": pool.name, "source": pool.config.source, "workers": len(pool.slots),
-                       "ready": pool.ready_count(), "fatal_slots": fatal, "queued": len(pool.queue),
-                       "golden": pool.judge.golden is not None})
+                       "ready": pool.ready_count(), "fatal_slots": fatal, "queued": arbiter.router.queued(pool),
+                       "golden": pool.judge.golden is not None,
+                       "batching": _batching_row(arbiter, pool)})
         for slot in pool.slots:
             workers.extend(_slot_rows(pool, slot, now))
     return {"daemon": {"pid": arbiter.pid, "version": __version__,
@@ -109,6 +110,15 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "limits": limits_snapshot(arbiter),
                        "buffers": len(arbiter.registry)},
             "models": models, "workers": workers}
+
+
+def _batching_row(arbiter: "Arbiter", pool) -> dict | None:
+    """None when batching is off for the model; else its settings and what it did."""
+    config = pool.config.batching
+    if not config.enabled:
+        return None
+    return {"max_size_allowed": config.max_size, "max_delay_us": config.max_delay_us,
+            "dim": config.dim, **arbiter.router.batches[pool.name].view()}
 
 
 def _slot_rows(pool, slot, now: float) -> list[dict]:
@@ -168,7 +178,7 @@ def status_table(status: dict) -> str:
     for model in status["models"]:
         fatal = f"  FATAL: {', '.join(model['fatal_slots'])}" if model["fatal_slots"] else ""
         lines.append(f"model {model['name']}: {model['ready']}/{model['workers']} ready, "
-                     f"{model['queued']} queued{fatal}")
+                     f"{model['queued']} queued{_batching_text(model.get('batching'))}{fatal}")
     header = ("ID", "MODEL", "STATE", "PID", "PLACEMENT", "THR", "UPTIME", "REQS", "ERRS",
               "RESTARTS", "P50", "RSS", "PROBE")
     rows = [header] + [_table_row(worker) for worker in status["workers"]]
@@ -180,6 +190,13 @@ def status_table(status: dict) -> str:
             error = f"; {worker['error']}" if worker.get("error") else ""
             lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}{error}")
     return "\n".join(lines)
+
+
+def _batching_text(batching: dict | None) -> str:
+    if not batching:
+        return ""
+    return (f", batches {batching['batches']} (mean size {batching['mean_size']}, "
+            f"max {batching['max_size']} of {batching['max_size_allowed']})")
 
 
 def _table_row(worker: dict) -> tuple:

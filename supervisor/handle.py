@@ -57,6 +57,13 @@ class ProbeRecord:
     latency_us: int | None = None
     baseline_us: int | None = None
 
+    def sent(self, rid: int, now: float) -> None:
+        self.rid, self.inflight_since = rid, now
+
+    def settle(self) -> None:
+        """No probe is in flight any more: answered, timed out, or its worker gone."""
+        self.rid = self.inflight_since = None
+
 
 @dataclass(eq=False)
 class WorkerHandle:

@@ -1,8 +1,14 @@
-"""Pool policy for one model: its worker slots, restarts, backoff, FATAL, replacement, routing.
+"""Pool policy for one model: its worker slots, restarts, backoff, FATAL, replacement, health.
 
-A *slot* is a place for one worker (fixed cores/device); each incarnation on it is a
-WorkerHandle. ``current`` is the incarnation the slot is responsible for; ``previous`` is an old
-one still serving while its replacement boots (replace before retire: capacity never dips).
+The pool chooses; its host acts. Everything the pool needs from whoever runs it -- time, timers,
+spawning, stopping and signalling workers, and the notifications it sends back -- is the
+``PoolHost`` protocol below; the Arbiter is one, the unit tests' FakeHost another. Which request
+goes to which worker is the router's business (it owns the queues and every request): the
+pool only says which worker has room (``least_loaded``) and tells the host when one became READY.
+
+A *slot* (supervisor/slot.py) is a place for one worker; each incarnation on it is a WorkerHandle.
+The slot's state follows its current worker's while it has one, and is the policy's choice
+between incarnations (shared/states.py describes both machines).
 
 Restart policy on an exit of ``current``:
   * a failed start -- never READY, up less than ``start_seconds``, or an exit code saying the
@@ -13,66 +19,75 @@ Restart policy on an exit of ``current``:
 
 from __future__ import annotations
 
-import collections
 import logging
 import random
 import signal
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Callable, Protocol, runtime_checkable
 
-from modelwarden.shared.config import ModelConfig
-from modelwarden.shared.states import (BOOTING, STARTUP_FAILURES, IllegalTransition, WorkerState,
-                           check_transition)
+from modelwarden.shared.config import ModelConfig, WorkerSpec
+from modelwarden.shared.states import (BOOTING, STARTUP_FAILURES, IllegalTransition, SlotState,
+                                       WorkerState, check_transition)
 from modelwarden.supervisor.handle import WorkerHandle, exit_cause
 from modelwarden.supervisor.placement import SlotPlacement
 from modelwarden.supervisor.probes import ProbeJudge, Verdict
-
-if TYPE_CHECKING:
-    from modelwarden.supervisor.arbiter import Arbiter
+from modelwarden.supervisor.slot import Slot
+from modelwarden.supervisor.timers import Timers
 
 logger = logging.getLogger(__name__)
 S = WorkerState
 RSS_SAMPLE_EVERY = 1.0
 
+StateListener = Callable[[WorkerHandle, WorkerState, WorkerState], None]
 
-@dataclass(eq=False)
-class Slot:
-    index: int
-    placement: SlotPlacement
-    state: WorkerState = WorkerState.STOPPED  # STARTING while it has a current incarnation
-    current: WorkerHandle | None = None
-    previous: WorkerHandle | None = None
-    generation: int = 0
-    restarts: int = 0
-    start_failures: int = 0
-    last_exit: str | None = None
-    failure: str | None = None
-    causes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10))
-    backoff_timer: Any = None
-    backoff_until: float | None = None
 
-    def set_state(self, new: WorkerState, model: str, reason: str = "") -> None:
-        if new == self.state:
-            return
-        check_transition(self.state, new)
-        level = logging.CRITICAL if new == S.FATAL else logging.INFO
-        logger.log(level, "slot %s#%d: %s -> %s%s", model, self.index, self.state.value,
-                   new.value, f" ({reason})" if reason else "")
-        self.state = new
+@runtime_checkable
+class PoolHost(Protocol):
+    """What a ModelPool needs from its host, and all of it (a unit test checks the pool uses
+    nothing else). The host runs the loop; the pool never blocks, sends or signals by itself.
 
-    def handles(self) -> list[WorkerHandle]:
-        return [handle for handle in (self.current, self.previous) if handle is not None]
+    * ``clock()``: monotonic seconds; ``timers``: the loop's deadline heap, run by the host.
+    * ``stopping``: the daemon is shutting down: start nothing new.
+    * ``worker_spec`` and ``launch``: build a worker's blueprint, then spawn it; ``launch``
+      returns its handle, which calls ``on_state`` at each state change, and raises OSError when
+      no process could be made.
+    * ``send_stop``: tell an idle draining worker to exit; ``signal_worker``: send it a signal
+      (SIGTERM, then SIGKILL past ``kill_grace``).
+    * ``recover_requests``: the worker is gone or declared dead: retry or answer what it held.
+    * ``on_worker_ready``: a worker of the pool became READY: queued requests can go.
+    * ``on_slot_fatal``: a slot went FATAL, or a FATAL slot's last worker left (the host checks
+      ``pool.all_fatal()`` and answers what nobody can serve).
+    """
+
+    stopping: bool
+    timers: Timers
+
+    def clock(self) -> float: ...
+
+    def worker_spec(self, config: ModelConfig, slot: int, generation: int,
+                    placement: SlotPlacement) -> WorkerSpec: ...
+
+    def launch(self, spec: WorkerSpec, on_state: StateListener) -> WorkerHandle: ...
+
+    def send_stop(self, handle: WorkerHandle) -> None: ...
+
+    def signal_worker(self, handle: WorkerHandle, signum: int) -> None: ...
+
+    def recover_requests(self, pool: "ModelPool", handle: WorkerHandle) -> None: ...
+
+    def on_worker_ready(self, pool: "ModelPool") -> None: ...
+
+    def on_slot_fatal(self, pool: "ModelPool") -> None: ...
 
 
 class ModelPool:
-    def __init__(self, config: ModelConfig, placements: list[SlotPlacement], host: "Arbiter",
+    def __init__(self, config: ModelConfig, placements: list[SlotPlacement], host: PoolHost,
                  judge: ProbeJudge) -> None:
         self.config = config
         self.host = host
         self.judge = judge
-        self.slots = [Slot(index, placement) for index, placement in enumerate(placements)]
-        self.queue: collections.deque = collections.deque()
+        self.slots = [Slot(index, placement, config.name)
+                      for index, placement in enumerate(placements)]
         self._next_rss_sample = 0.0
 
     @property
@@ -91,9 +106,10 @@ class ModelPool:
         """The READY worker with room and the fewest requests in flight; workers failing probes
         (or being replaced) only when nobody else has room; ties go to the least recently used."""
         best, best_key = None, None
+        limit = self.config.max_inflight
         for slot in self.slots:
-            for handle in slot.handles():
-                if not handle.has_room(self.config.max_inflight):
+            for handle in (slot.current, slot.previous):  # not slot.handles(): no list per call
+                if handle is None or not handle.has_room(limit):
                     continue
                 suspect = handle.probe.consecutive_failures > 0 or handle.retiring is not None
                 key = (suspect, len(handle.inflight), handle.last_dispatch)
@@ -102,7 +118,7 @@ class ModelPool:
         return best
 
     def all_fatal(self) -> bool:
-        return all(slot.state == S.FATAL and not slot.handles() for slot in self.slots)
+        return all(slot.state == SlotState.FATAL and not slot.handles() for slot in self.slots)
 
     def ready_count(self) -> int:
         """Slots serving now; a slot whose old worker serves while its replacement boots counts."""
@@ -125,12 +141,12 @@ class ModelPool:
             handle = self.host.launch(spec, self._on_state)
         except OSError as exc:  # no process at all (EAGAIN, ENOMEM, EMFILE): a failed start
             logger.critical("%s#%d: cannot spawn a worker: %s", self.name, slot.index, exc)
-            slot.set_state(S.STARTING, self.name, "spawning")
-            slot.set_state(S.DEAD, self.name, f"spawn failed: {exc}")
+            slot.set_state(SlotState.STARTING, "spawning")
+            slot.set_state(SlotState.DEAD, f"spawn failed: {exc}")
             self._after_exit(slot, True, f"spawn failed: {exc}")
             return None
         slot.current = handle
-        slot.set_state(S.STARTING, self.name, f"pid {handle.pid}, generation {slot.generation}")
+        slot.set_state(SlotState.STARTING, f"pid {handle.pid}, generation {slot.generation}")
         if self.config.max_requests:
             handle.request_limit = self.config.max_requests + random.randint(
                 0, self.config.max_requests_jitter)
@@ -161,12 +177,14 @@ class ModelPool:
         handle.set_state(new)
 
     def _on_state(self, handle: WorkerHandle, old: WorkerState, new: WorkerState) -> None:
+        slot = self.slot_of(handle)
+        if handle is slot.current:
+            slot.follow(new)
         if new != S.READY:
             return
-        slot = self.slot_of(handle)
         if slot.previous is not None and slot.previous.state == S.READY:
             self.drain(slot.previous, f"replaced by generation {handle.spec.generation}")
-        self.host.dispatch(self)
+        self.host.on_worker_ready(self)
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -186,10 +204,11 @@ class ModelPool:
         if handle.alive:
             handle.set_state(S.DEAD, reason)
         self.host.recover_requests(self, handle)
-        handle.signal(signal.SIGTERM)
+        self.host.signal_worker(handle, signal.SIGTERM)
         self.host.timers.cancel(handle.kill_timer)
         handle.kill_timer = self.host.timers.call_at(
-            self.host.clock() + self.config.kill_grace, handle.signal, signal.SIGKILL)
+            self.host.clock() + self.config.kill_grace, self.host.signal_worker, handle,
+            signal.SIGKILL)
 
     def terminate_later(self, handle: WorkerHandle) -> None:
         """After a stop message: kill it if it has not left within ``kill_grace``."""
@@ -200,7 +219,7 @@ class ModelPool:
     def _overdue(self, handle: WorkerHandle) -> None:
         if handle.exitcode is None:
             logger.critical("%s pid %s did not stop when asked; killing", handle.worker_id, handle.pid)
-            handle.signal(signal.SIGKILL)
+            self.host.signal_worker(handle, signal.SIGKILL)
 
     def mark_exited(self, handle: WorkerHandle) -> None:
         """The process is gone: STOPPED if it left cleanly when told, else DEAD. Nothing is
@@ -227,9 +246,9 @@ class ModelPool:
         slot.current = None
         slot.last_exit = cause
         slot.failure = handle.failure or slot.failure
-        slot.set_state(S.DEAD, self.name, cause)
+        # The slot followed its worker to DEAD or STOPPED when the exit was marked.
         if handle.state == S.STOPPED or self.host.stopping:
-            slot.set_state(S.STOPPED, self.name, "stopped")
+            slot.set_state(SlotState.STOPPED, "stopped")
             return
         self._restart(slot, handle, cause)
 
@@ -246,7 +265,7 @@ class ModelPool:
         slot.restarts += 1
         slot.causes.append((time.time(), cause))
         if slot.start_failures >= self.config.max_start_failures:
-            slot.set_state(S.FATAL, self.name, f"{slot.start_failures} failed starts in a row, "
+            slot.set_state(SlotState.FATAL, f"{slot.start_failures} failed starts in a row, "
                            f"last: {cause}{'; ' + slot.failure if slot.failure else ''}")
             self.host.on_slot_fatal(self)
             return
@@ -255,7 +274,7 @@ class ModelPool:
             return
         delay = min(self.config.backoff_initial * 2 ** (slot.start_failures - 1),
                     self.config.backoff_max)
-        slot.set_state(S.BACKOFF, self.name, f"failed start {slot.start_failures}, retry in {delay:.1f}s")
+        slot.set_state(SlotState.BACKOFF, f"failed start {slot.start_failures}, retry in {delay:.1f}s")
         slot.backoff_until = now + delay
         slot.backoff_timer = self.host.timers.call_at(now + delay, self.spawn, slot)
 
@@ -319,7 +338,7 @@ class ModelPool:
         probe = handle.probe
         timeout = self.config.probe.timeout
         if probe.inflight_since is not None and now - probe.inflight_since > timeout:
-            probe.inflight_since = probe.rid = None
+            probe.settle()
             probe.unanswered = True
             self.record_probe(handle, Verdict(False, f"no answer in {timeout}s"))
         if probe.unanswered and not handle.retiring:

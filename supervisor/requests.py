@@ -32,6 +32,12 @@ class Request:
     connection: Any = None  # (frontend index, routing id): whose byte budgets it counts against
     nbytes: int = 0  # inline payload bytes held until it is answered
     buffers: tuple = ()  # the buffer tokens it references: passed to a worker before it runs
+    arrived: float = 0.0  # the supervisor's clock when it was accepted
+    batch_key: Any = None  # supervisor.batching.signature: None never shares a forward pass
+    rows: int = 0  # its size along the batch dimension
+    alone: bool = False  # it was in a batch when its worker died: from now on it runs alone
+    queued_under_load: bool = False  # it found no worker with room (or a queue): it may wait
+    batch_size: int = 1  # the size of the batch it was last dispatched in
 
 
 @dataclass(eq=False, slots=True)

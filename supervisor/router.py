@@ -11,11 +11,12 @@ result, a TIMEOUT from its deadline timer, a retry verdict after a worker death,
 
 from __future__ import annotations
 
+import collections
 import errno
 import itertools
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import zmq
 
@@ -25,29 +26,64 @@ from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_
                                          ProtocolError)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor import batching
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.limits import ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.probes import decode_outputs, Verdict
 from modelwarden.supervisor.requests import ProbeRequest, Request, after_worker_death, check_declared
 
 if TYPE_CHECKING:
-    from modelwarden.supervisor.arbiter import Arbiter
+    from modelwarden.shared.config import Settings
+    from modelwarden.supervisor.buffers import BufferRegistry
     from modelwarden.supervisor.pool import ModelPool
+    from modelwarden.supervisor.timers import Timers
 
 logger = logging.getLogger(__name__)
 
 
 # {"type": "run", "rid": N} with N packed separately: the same bytes as packing the whole map,
 # for a fraction of the cost on the hot path.
-_RUN_PREFIX = b"\x82" + protocol.pack("type") + protocol.pack("run") + protocol.pack("rid")
+_RUN_PREFIX = (b"\x82" + protocol.pack("type") + protocol.pack(protocol.RUN)
+               + protocol.pack("rid"))
+
+
+@runtime_checkable
+class RouterHost(Protocol):
+    """What the router needs from whoever runs it (the Arbiter; tests' FakeRouterHost):
+
+    * ``settings``: the daemon's limits; ``pools``: model name -> ModelPool (the router asks a
+      pool which worker has room, tells it of each result, and reads its config);
+    * ``clock()`` (monotonic seconds) and ``timers``: deadlines and batch holds;
+    * ``stopping``: new requests get SHUTTING_DOWN;
+    * ``registry`` and ``shm_offered(frontend)``: shared-memory regions are checked there;
+    * ``backend``: the ROUTER socket the workers are reached on (by routing id).
+    """
+
+    settings: "Settings"
+    pools: dict
+    timers: "Timers"
+    stopping: bool
+    registry: "BufferRegistry"
+    backend: zmq.Socket
+
+    def clock(self) -> float: ...
+
+    def shm_offered(self, frontend: int) -> bool: ...
 
 
 class Router:
-    def __init__(self, arbiter: "Arbiter") -> None:
-        self.arbiter = arbiter
+    """Every request's life, from acceptance to its one answer: the queues, what each worker
+    holds (``WorkerHandle.inflight``, written only here), the probes in flight, the deadlines."""
+
+    def __init__(self, host: RouterHost) -> None:
+        self.host = host
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
+        self.queues: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self.batches: dict[str, batching.BatchStats] = collections.defaultdict(batching.BatchStats)
+        self._holds: dict[str, Any] = {}  # model -> the timer that sends its held partial batch
+        self._wanted: dict[str, "ModelPool"] = {}  # pools with new requests or freed workers
         self._rids = itertools.count(1)
-        daemon = arbiter.settings.daemon
+        daemon = host.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
                                           daemon.max_request_bytes)
         self.replies = ReplyLedger(daemon.max_unread_bytes_per_connection, daemon.max_unread_bytes)
@@ -56,24 +92,25 @@ class Router:
 
     def accept_infer(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
                      header: dict) -> None:
-        arbiter = self.arbiter
+        host = self.host
         request_id = protocol.request_id_of(header)
         try:
-            if arbiter.stopping:
+            if host.stopping:
                 raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
             parsed = protocol.parse_infer(header, len(envelope.payload))
             protocol.frame_lengths_match(parsed.tensors, envelope.payload)
-            pool = arbiter.pools.get(parsed.model)
+            pool = host.pools.get(parsed.model)
             if pool is None:
                 raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
-                                    f"configured: {', '.join(arbiter.pools)}")
+                                    f"configured: {', '.join(host.pools)}")
             buffers = self._check_regions(connection[0], parsed)
             check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
             if pool.all_fatal():
                 raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL; "
                                     "see `modelwarden status`, then `modelwarden restart`")
-            if len(pool.queue) >= pool.config.max_queue:
-                raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(pool.queue)} requests "
+            queue = self.queues[pool.name]
+            if len(queue) >= pool.config.max_queue:
+                raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(queue)} requests "
                                     "queued (max_queue); retry later")
             refusal = self.replies.refusal(connection)
             if refusal is not None:
@@ -83,25 +120,30 @@ class Router:
         except ProtocolError as exc:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
             return
-        now = arbiter.clock()
+        now = host.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
         request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
                           envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
                           connection=connection, nbytes=nbytes, buffers=buffers)
-        request.timer = arbiter.timers.call_at(request.deadline, self.expire, request)
+        request.timer = host.timers.call_at(request.deadline, self.expire, request)
+        request.arrived = now
+        batch = pool.config.batching
+        if batch.enabled:
+            request.batch_key, request.rows = batching.signature(parsed, batch.dim) or (None, 0)
+            request.queued_under_load = bool(queue) or pool.least_loaded() is None
         self.pending[request.rid] = request
-        pool.queue.append(request)
-        self.dispatch(pool)
+        queue.append(request)
+        self._wanted[pool.name] = pool
 
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
         """The tokens the request uses, each checked: registered, and the region inside it."""
         tokens = parsed.buffers()
         if not tokens:
             return ()
-        if not self.arbiter.shm_offered(frontend):
+        if not self.host.shm_offered(frontend):
             raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
                                 "with daemon.shm = true")
-        registry = self.arbiter.registry
+        registry = self.host.registry
         for index, desc in enumerate(parsed.tensors):
             if desc.shm is not None:
                 registry.check(desc.shm, f"tensor {index}")
@@ -111,20 +153,52 @@ class Router:
 
     # -- dispatch ---------------------------------------------------------------------------
 
+    def dispatch_wanted(self) -> None:
+        """Dispatch every pool that got requests or freed workers since the last call (the
+        loop calls it once per poll round)."""
+        while self._wanted:
+            self.dispatch(self._wanted.popitem()[1])
+
+    def queued(self, pool: "ModelPool") -> int:
+        return len(self.queues[pool.name])
+
     def dispatch(self, pool: "ModelPool") -> None:
-        queue = pool.queue
-        now = self.arbiter.clock()
+        queue = self.queues[pool.name]
+        now = self.host.clock()
+        config = pool.config.batching
         while queue:
             handle = pool.least_loaded()
             if handle is None:
                 return
-            request = queue.popleft()
-            if not request.done and self._pass_buffers(handle, request):
-                self._send(handle, request, now)
+            members = batching.pick(queue, config)
+            if config.max_delay_us and self._hold(pool, members, now):
+                return
+            batching.remove(queue, members)
+            members = [request for request in members
+                       if not request.done and self._pass_buffers(handle, request)]
+            if len(members) == 1:
+                self._send(handle, members[0], now)
+            elif members:
+                self._send_batch(handle, members, now)
+            if members and config.enabled:
+                self.batches[pool.name].record(len(members))
+
+    def _hold(self, pool: "ModelPool", members: list, now: float) -> bool:
+        """True while a partial batch waits for more members (a timer sends it later)."""
+        until = batching.hold_until(members, pool.config.batching)
+        if until is None or until <= now:
+            return False
+        if pool.name not in self._holds:
+            self._holds[pool.name] = self.host.timers.call_at(until, self._release, pool)
+        return True
+
+    def _release(self, pool: "ModelPool") -> None:
+        self._holds.pop(pool.name, None)
+        self.dispatch(pool)  # the held head's wait is over now: it goes with what is there
 
     def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
         """Probes go out between real requests: to a worker with room whose probe is due."""
-        now = self.arbiter.clock()
+        now = self.host.clock()
         for handle in handles:
             if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
                 self._send_probe(handle, now)
@@ -135,7 +209,7 @@ class Router:
         missing = [token for token in request.buffers if token not in handle.buffers]
         if not missing:
             return True
-        registry = self.arbiter.registry
+        registry = self.host.registry
         buffers = [registry.get(token) for token in missing]
         if None in buffers:
             self.finish(request, protocol.error_header(
@@ -161,86 +235,116 @@ class Router:
 
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
         envelope = _RUN_PREFIX + protocol.pack(request.rid)
-        send_parts(self.arbiter.backend,
+        send_parts(self.host.backend,
                    [handle.identity, envelope, request.header_frame, *request.payload])
+        self._mark_sent(handle, request, 1, now)
+
+    def _send_batch(self, handle: WorkerHandle, members: list, now: float) -> None:
+        """One message, every member's header and payload frames as they came: the supervisor
+        still never touches payload bytes."""
+        envelope = protocol.pack({"type": protocol.BATCH, "rids": [m.rid for m in members],
+                                  "frames": [1 + len(m.payload) for m in members]})
+        parts = [handle.identity, envelope]
+        for member in members:
+            parts.append(member.header_frame)
+            parts.extend(member.payload)
+        send_parts(self.host.backend, parts)
+        for member in members:
+            self._mark_sent(handle, member, len(members), now)
+
+    @staticmethod
+    def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
         request.worker = handle
+        request.batch_size = batch_size
         request.dispatched_ns = time.perf_counter_ns()
         handle.inflight[request.rid] = request
         handle.last_dispatch = now
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(next(self._rids), handle)
-        send_parts(self.arbiter.backend,
-                   [handle.identity, protocol.pack({"type": "run", "rid": probe.rid, "probe": True})])
+        send_parts(self.host.backend, [handle.identity, protocol.pack(
+            {"type": protocol.RUN, "rid": probe.rid, "probe": True})])
         handle.inflight[probe.rid] = probe
-        handle.probe.inflight_since = now
-        handle.probe.rid = probe.rid
+        handle.probe.sent(probe.rid, now)
 
     # -- answers ----------------------------------------------------------------------------
 
-    def on_result(self, pool: "ModelPool", handle: WorkerHandle, header: dict, frames: list) -> None:
-        request = handle.inflight.pop(header.get("rid"), None)
+    def on_result(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict, frames: list) -> None:
+        """``frames``: the reply header the worker wrote for the client, then its payload."""
+        request = handle.inflight.pop(envelope.get("rid"), None)
         if request is None:
             logger.error("%s answered a request it does not hold", handle.worker_id)
             return
+        if not frames:
+            logger.error("%s sent a result without a reply header", handle.worker_id)
+            frames = [protocol.pack(protocol.error_header(None, protocol.INTERNAL,
+                                                          "the worker's answer had no header"))]
+            envelope = {"ok": False}
         if isinstance(request, ProbeRequest):
-            self._judge_probe(pool, handle, request, header, frames)
+            self._judge_probe(pool, handle, request, envelope, frames)
         else:
-            self._relay_result(handle, request, header, frames)
+            self._relay_result(handle, request, envelope, frames)
         pool.after_result(handle)
         if handle.state == WorkerState.READY:
             self.send_due_probes(pool, [handle])
-        self.dispatch(pool)
+        self._wanted[pool.name] = pool
 
-    def _relay_result(self, handle: WorkerHandle, request: Request, header: dict, frames: list) -> None:
+    def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
+                      frames: list) -> None:
+        """The worker wrote the client's reply header; only the timing is added, as bytes
+        appended to the map, not by decoding and encoding it again."""
         handle.served += 1
         if request.done:  # it timed out while the worker was busy with it
             return
-        finished_ns = time.perf_counter_ns()
-        total_us = (finished_ns - request.received_ns) // 1000
-        if header.get("ok"):
+        if envelope.get("ok"):
+            total_us = (time.perf_counter_ns() - request.received_ns) // 1000
             handle.latencies_us.append(total_us)
-            reply = {"id": request.client_id, "ok": True, "outputs": header.get("outputs"),
-                     "tensors": header.get("tensors"), "worker": handle.worker_id,
-                     "timing": {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
-                                "compute_us": header.get("compute_us"), "total_us": total_us}}
+            timing = {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
+                      "compute_us": envelope.get("compute_us"), "total_us": total_us,
+                      "batch": envelope.get("batch", 1)}
+            header = protocol.add_to_map(_buffer(frames[0]), "timing", timing)
         else:
             handle.errors += 1
-            error = header.get("error") or {}
-            reply = protocol.error_header(request.client_id, error.get("code", protocol.INTERNAL),
-                                          error.get("message", "worker gave no message"))
-            reply["worker"] = handle.worker_id
-        self.finish(request, reply, frames)
+            header = frames[0]
+        self._answer(request, header, frames[1:])
 
     def _judge_probe(self, pool: "ModelPool", handle: WorkerHandle, probe: ProbeRequest,
-                     header: dict, frames: list) -> None:
+                     envelope: dict, frames: list) -> None:
         record = handle.probe
         if record.rid != probe.rid:  # answered after its timeout, already counted as a failure
             return
-        record.inflight_since = record.rid = None
+        record.settle()
+        try:
+            header = protocol.unpack_header(_buffer(frames[0]), strict=False)
+        except ProtocolError as exc:
+            header = protocol.error_header(None, protocol.INTERNAL, exc.message)
         if not header.get("ok"):
             error = header.get("error") or {}
             verdict = Verdict(False, f"probe raised {error.get('code')}: {error.get('message')}")
         else:
             try:
                 descs = header.get("tensors") or []
-                outputs = decode_outputs(descs, frames)
-                record.latency_us = header.get("compute_us")
+                outputs = decode_outputs(descs, frames[1:])
+                record.latency_us = envelope.get("compute_us")
                 verdict = pool.judge.judge([desc["dtype"] for desc in descs], outputs,
                                            record.latency_us or 0, record.baseline_us)
             except Exception as exc:  # a worker answering garbage fails its probe
                 verdict = Verdict(False, f"probe answer unreadable: {exc}")
         pool.record_probe(handle, verdict)
 
-    def finish(self, request: Request, reply: dict, frames: list | None = None) -> None:
-        """Answer a request exactly once."""
+    def finish(self, request: Request, reply: dict) -> None:
+        """Answer a request exactly once (with a header the supervisor wrote: an error)."""
+        self._answer(request, protocol.pack(reply))
+
+    def _answer(self, request: Request, header, frames: list | None = None) -> None:
+        """Send the one answer: ``header`` is packed bytes (or a frame), ``frames`` its payload."""
         if request.done:
             return
         request.done = True
-        self.arbiter.timers.cancel(request.timer)
+        self.host.timers.cancel(request.timer)
         self.pending.pop(request.rid, None)
         self.request_bytes.give_back(request.connection, request.nbytes)
-        parts = [*request.route, SIGNATURE, protocol.pack(reply)]
+        parts = [*request.route, SIGNATURE, header]
         if frames:
             parts.extend(frames)
             dropped = self.replies.prepare(request.connection, parts, payload_bytes(frames))
@@ -270,9 +374,8 @@ class Router:
             return
         where = f"on {request.worker.worker_id}" if request.worker is not None else "in the queue"
         if request.worker is None:
-            pool = self.arbiter.pools[request.model]
             try:
-                pool.queue.remove(request)
+                self.queues[request.model].remove(request)
             except ValueError:
                 pass
         self.fail(request, TIMEOUT, f"no answer within the deadline (request was {where})")
@@ -284,10 +387,11 @@ class Router:
         retry = []
         for request in held:
             if isinstance(request, ProbeRequest):
-                handle.probe.inflight_since = handle.probe.rid = None
+                handle.probe.settle()
                 continue
             if request.done:
                 continue
+            request.alone = request.alone or request.batch_size > 1
             verdict = after_worker_death(request, pool.config.retries)
             if verdict is None:
                 retry.append(request)
@@ -295,7 +399,7 @@ class Router:
                 self.fail(request, verdict, self._death_message(verdict, handle))
         if retry:
             logger.warning("%s died holding %d request(s); retrying them", handle.worker_id, len(retry))
-            pool.queue.extendleft(reversed(retry))
+            self.queues[pool.name].extendleft(reversed(retry))
         self.dispatch(pool)
 
     @staticmethod
@@ -305,13 +409,19 @@ class Router:
         return f"worker {handle.worker_id} died holding the request (retries are off)"
 
     def fail_queue(self, pool: "ModelPool", code: str, message: str) -> None:
-        while pool.queue:
-            request = pool.queue.popleft()
+        queue = self.queues[pool.name]
+        while queue:
+            request = queue.popleft()
             self.fail(request, code, message)
 
     def fail_everything(self, code: str, message: str) -> None:
         for request in list(self.pending.values()):
             self.fail(request, code, message)
-        for pool in self.arbiter.pools.values():
-            pool.queue.clear()
+        for queue in self.queues.values():
+            queue.clear()
 
+
+
+def _buffer(frame):
+    """A zmq.Frame's bytes without a copy; bytes as they are."""
+    return frame.buffer if hasattr(frame, "buffer") else frame

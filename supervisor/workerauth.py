@@ -22,13 +22,15 @@ import logging
 import secrets
 from typing import Callable
 
+from modelwarden.shared import protocol
+
 logger = logging.getLogger(__name__)
 
 IDENTITY_BYTES = 16
 SECRET_BYTES = 32
 WARN_EVERY_S = 60.0
 MAX_REMEMBERED = 4096  # identities whose last warning we remember (random ones are unbounded)
-HELLO = "hello"  # the worker's first message (worker.serve.Channel.hello)
+HELLO = protocol.HELLO  # the worker's first message (worker.serve.Channel.hello)
 
 
 def new_credentials() -> tuple[bytes, bytes]:

@@ -149,3 +149,42 @@ class Echo(nn.Module):
 
 def make_echo(copy: bool = False, delay: float = 0.0) -> nn.Module:
     return Echo(copy, delay)
+
+
+GATE = 99.0  # an input holding it waits in forward while the gate file exists
+POISON = 666.0  # an input holding it kills its worker
+
+
+class Pair(nn.Module):
+    """Two inputs, two outputs, row by row independent along dim 0, so a batched answer equals
+    the unbatched one: ``(a @ W + 1, b * 2 + a.sum(-1))``, as a tuple or a dict (``out``).
+    Row values pick a behaviour: MARKER raises, POISON SIGKILLs the process, GATE blocks while
+    the file ``gate`` exists (tests hold the worker busy with it to make requests queue)."""
+
+    def __init__(self, out: str, gate: str | None) -> None:
+        super().__init__()
+        self.out = out
+        self.gate = gate
+        self.register_buffer("weight", weights())
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor):
+        if self.gate is not None and bool((a == GATE).any()):
+            while os.path.exists(self.gate):
+                threading.Event().wait(0.005)  # a model busy for as long as the test says
+        if bool((a == MARKER).any()):
+            raise ValueError("the input holds the marker value")
+        if bool((a == POISON).any()):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return pair_reference(a, b, self.out, self.weight)
+
+
+def pair_reference(a: torch.Tensor, b: torch.Tensor, out: str = "tuple",
+                   weight: torch.Tensor | None = None):
+    weight = weights() if weight is None else weight
+    y = a @ weight + 1.0
+    z = b * 2.0 + a.sum(-1, keepdim=True)
+    return {"y": y, "z": z} if out == "dict" else (y, z)
+
+
+def make_pair(out: str = "tuple", gate: str | None = None) -> nn.Module:
+    return Pair(out, gate)

@@ -144,6 +144,17 @@ def test_workers_are_pinned_to_disjoint_cores_with_their_thread_count(daemon):
     assert "modelwarden: supervisor" in cmdline(daemon.process.pid)
 
 
+def test_the_supervisor_never_loads_torch(daemon):
+    # torch lives in the workers only: the supervisor stays small, starts fast and never runs a
+    # CUDA initialiser (the client API in modelwarden/__init__ is imported lazily for this).
+    with open(f"/proc/{daemon.process.pid}/maps") as maps:
+        mapped = maps.read()
+    assert "libtorch" not in mapped and "libc10" not in mapped
+    worker = daemon.worker_pids()[0]
+    with open(f"/proc/{worker}/maps") as maps:
+        assert "libtorch" in maps.read()  # the check above can see torch where it is
+
+
 def test_status_json_shape_and_exit_code(daemon):
     result = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--json",
                              "--control", daemon.control], capture_output=True, text=True,

@@ -1,23 +1,31 @@
-"""Unit tests of supervisor/pool.py's restart policy, replacement and routing, against a small
-fake host (no processes, no sockets; a fake clock drives real Timers).
+"""Unit tests of supervisor/pool.py's restart policy, replacement and routing, and of the slot's
+and the worker's state machines (shared/states.py, supervisor/slot.py), against FakeHost: an
+implementation of the pool's ``PoolHost`` protocol (no processes, no sockets; a fake clock drives
+real Timers).
 
-Safety: the code paths that signal a worker (terminate, the kill-grace timer) are never reached:
-kill_grace is huge, ``tick`` is never called, and the fake pids lie far above any pid_max, so even
-a stray os.kill would find no process.
+Safety: the pool signals workers only through its host, which here records the signal and sends
+none; the fake pids also lie far above any pid_max, so even a stray os.kill would find no process.
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
+import logging
+import signal
+from pathlib import Path
 
 import pytest
 
 from modelwarden.shared.config import ModelConfig, WorkerSpec
-from modelwarden.shared.states import EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERROR
+from modelwarden.shared.states import (EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERROR,
+                                       SLOT_FOLLOWS, SLOT_TRANSITIONS, WORKER_TRANSITIONS,
+                                       IllegalTransition, SlotState, check_transition)
 from modelwarden.shared.states import WorkerState as S
+from modelwarden.supervisor import pool as pool_module
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.placement import SlotPlacement
-from modelwarden.supervisor.pool import ModelPool
+from modelwarden.supervisor.pool import ModelPool, PoolHost
 from modelwarden.supervisor.probes import ProbeJudge, Verdict
 from modelwarden.supervisor.timers import Timers
 
@@ -34,15 +42,16 @@ class FakeProcess:
 
 
 class FakeHost:
-    """What ModelPool needs from the Arbiter, recording every call."""
+    """A PoolHost (what ModelPool needs from the Arbiter), recording every call."""
 
     def __init__(self) -> None:
         self.stopping = False
         self.timers = Timers()
         self.now = 1000.0
         self.launched: list[WorkerHandle] = []
-        self.dispatched: list[ModelPool] = []
+        self.dispatched: list[ModelPool] = []  # on_worker_ready notices
         self.stopped: list[WorkerHandle] = []
+        self.signals: list[tuple[WorkerHandle, int]] = []
         self.recovered: list[WorkerHandle] = []
         self.fatal: list[bool] = []  # pool.all_fatal() at each on_slot_fatal call
         self._pids = itertools.count(2_000_000_000)  # > any pid_max (at most 2**22)
@@ -67,11 +76,14 @@ class FakeHost:
         self.launched.append(handle)
         return handle
 
-    def dispatch(self, pool: ModelPool) -> None:
+    def on_worker_ready(self, pool: ModelPool) -> None:
         self.dispatched.append(pool)
 
     def send_stop(self, handle: WorkerHandle) -> None:
         self.stopped.append(handle)
+
+    def signal_worker(self, handle: WorkerHandle, signum: int) -> None:
+        self.signals.append((handle, signum))
 
     def recover_requests(self, pool: ModelPool, handle: WorkerHandle) -> None:
         self.recovered.append(handle)
@@ -79,6 +91,9 @@ class FakeHost:
 
     def on_slot_fatal(self, pool: ModelPool) -> None:
         self.fatal.append(pool.all_fatal())
+
+
+_: PoolHost = FakeHost()  # a type checker holds the fake to the protocol; isinstance below
 
 
 def make_pool(host: FakeHost, workers: int = 1, **overrides) -> ModelPool:
@@ -91,15 +106,26 @@ def make_pool(host: FakeHost, workers: int = 1, **overrides) -> ModelPool:
     return ModelPool(config, placements, host, ProbeJudge(config.probe))
 
 
+def assert_slots_follow(pool: ModelPool) -> None:
+    """The invariant between the two machines: a slot with a current worker is in the state
+    that worker's state maps to."""
+    for slot in pool.slots:
+        assert type(slot.state) is SlotState  # str enums: "READY" would equal either machine's
+        if slot.current is not None:
+            assert slot.state == SLOT_FOLLOWS[slot.current.state], (slot.state, slot.current.state)
+
+
 def ready(pool: ModelPool, handle: WorkerHandle) -> None:
     for state in ("LOADING", "WARMING", "READY"):
         pool.on_worker_state(handle, state, {})
+        assert_slots_follow(pool)
     assert handle.state == S.READY
 
 
 def exit_with(pool: ModelPool, handle: WorkerHandle, code: int) -> None:
     handle.exitcode = code
     pool.on_exit(handle)
+    assert_slots_follow(pool)
 
 
 @pytest.fixture
@@ -116,7 +142,7 @@ def test_start_all_launches_one_worker_per_slot(host):
     assert len(host.launched) == 3
     assert [h.spec.slot for h in host.launched] == [0, 1, 2]
     assert [h.spec.cores for h in host.launched] == [[0], [1], [2]]
-    assert all(slot.state == S.STARTING and slot.generation == 1 for slot in pool.slots)
+    assert all(slot.state == SlotState.STARTING and slot.generation == 1 for slot in pool.slots)
     assert pool.ready() == [] and pool.least_loaded() is None
 
 
@@ -154,7 +180,7 @@ def test_spawn_does_nothing_while_stopping(host):
     host.stopping = True
     pool.start_all()
     assert host.launched == []
-    assert pool.slots[0].state == S.STOPPED
+    assert pool.slots[0].state == SlotState.STOPPED
 
 
 # -- failed starts: backoff and FATAL -----------------------------------------------------------
@@ -166,7 +192,7 @@ def test_failed_starts_back_off_exponentially_then_go_fatal(host):
     slot = pool.slots[0]
     for failure, delay in enumerate([1.0, 2.0, 4.0, 5.0, 5.0], start=1):
         exit_with(pool, slot.current, EXIT_LOAD_ERROR)
-        assert slot.state == S.BACKOFF
+        assert slot.state == SlotState.BACKOFF
         assert slot.start_failures == failure
         assert slot.current is None
         assert slot.backoff_until == host.now + delay
@@ -176,10 +202,10 @@ def test_failed_starts_back_off_exponentially_then_go_fatal(host):
         assert len(host.launched) == launched, f"restarted before the {delay}s backoff"
         assert host.advance(0.001) == 1
         assert len(host.launched) == launched + 1
-        assert slot.state == S.STARTING and slot.current is host.launched[-1]
+        assert slot.state == SlotState.STARTING and slot.current is host.launched[-1]
         assert slot.generation == failure + 1
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)  # the sixth failed start
-    assert slot.state == S.FATAL
+    assert slot.state == SlotState.FATAL
     assert host.fatal == [True]
     assert pool.all_fatal()
     assert len(host.timers) == 0
@@ -199,7 +225,7 @@ def test_default_backoff_sequence_and_fatal_after_five(host):
         host.advance(delays[-1])
     assert delays == [0.5, 1.0, 2.0, 4.0]
     exit_with(pool, slot.current, EXIT_WARMUP_ERROR)
-    assert slot.state == S.FATAL and host.fatal == [True]
+    assert slot.state == SlotState.FATAL and host.fatal == [True]
 
 
 def test_backoff_is_capped_at_backoff_max(host):
@@ -222,7 +248,7 @@ def test_death_before_ready_is_a_failed_start_however_long_it_lived(host):
     host.now += 120  # far beyond start_seconds, but it never got READY
     exit_with(pool, slot.current, SIGKILLED)
     assert slot.current is None
-    assert slot.state == S.BACKOFF and slot.start_failures == 1
+    assert slot.state == SlotState.BACKOFF and slot.start_failures == 1
     assert slot.last_exit == "SIGKILL"
     assert len(host.launched) == 1
     assert host.recovered == [host.launched[0]]
@@ -236,7 +262,7 @@ def test_crash_soon_after_ready_is_a_failed_start(host):
     ready(pool, handle)
     host.now += 9.5
     exit_with(pool, handle, SIGSEGV)
-    assert pool.slots[0].state == S.BACKOFF and pool.slots[0].start_failures == 1
+    assert pool.slots[0].state == SlotState.BACKOFF and pool.slots[0].start_failures == 1
 
 
 def test_load_error_exit_code_is_a_failed_start_even_after_a_long_ready_run(host):
@@ -246,7 +272,7 @@ def test_load_error_exit_code_is_a_failed_start_even_after_a_long_ready_run(host
     ready(pool, handle)
     host.now += 3600
     exit_with(pool, handle, EXIT_LOAD_ERROR)
-    assert pool.slots[0].state == S.BACKOFF and pool.slots[0].start_failures == 1
+    assert pool.slots[0].state == SlotState.BACKOFF and pool.slots[0].start_failures == 1
 
 
 def test_crash_after_a_good_start_restarts_at_once_and_resets_the_count(host):
@@ -262,7 +288,7 @@ def test_crash_after_a_good_start_restarts_at_once_and_resets_the_count(host):
     host.now += 10.5
     exit_with(pool, handle, SIGKILLED)
     assert slot.start_failures == 0
-    assert slot.state == S.STARTING
+    assert slot.state == SlotState.STARTING
     assert len(host.launched) == 5 and slot.current is host.launched[-1]  # no backoff wait
     assert slot.backoff_timer is None and len(host.timers) == 0
     assert slot.restarts == 4
@@ -280,7 +306,7 @@ def test_unexpected_clean_exit_of_a_serving_worker_is_restarted(host):
     host.now += 60
     exit_with(pool, handle, EXIT_OK)
     assert handle.state == S.DEAD  # it was not asked to stop
-    assert pool.slots[0].state == S.STARTING and len(host.launched) == 2
+    assert pool.slots[0].state == SlotState.STARTING and len(host.launched) == 2
 
 
 def test_exit_while_stopping_does_not_restart(host):
@@ -290,7 +316,7 @@ def test_exit_while_stopping_does_not_restart(host):
     ready(pool, handle)
     host.stopping = True
     exit_with(pool, handle, SIGKILLED)
-    assert pool.slots[0].state == S.STOPPED
+    assert pool.slots[0].state == SlotState.STOPPED
     assert len(host.launched) == 1 and len(host.timers) == 0
 
 
@@ -302,15 +328,15 @@ def test_restart_revives_a_fatal_slot(host):
     host.advance(10)
     slot.current.failure = "ImportError: no module named pkg"
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)
-    assert slot.state == S.FATAL and slot.failure == "ImportError: no module named pkg"
+    assert slot.state == SlotState.FATAL and slot.failure == "ImportError: no module named pkg"
     assert pool.restart() == ["m#0"]
-    assert slot.state == S.STARTING
+    assert slot.state == SlotState.STARTING
     assert slot.start_failures == 0 and slot.failure is None
     assert slot.current is host.launched[-1] and len(host.launched) == 3
     assert not pool.all_fatal()
     # the count starts over: one failure backs off rather than going FATAL again
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)
-    assert slot.state == S.BACKOFF and slot.start_failures == 1
+    assert slot.state == SlotState.BACKOFF and slot.start_failures == 1
 
 
 def test_restart_during_backoff_starts_now_and_cancels_the_pending_start(host):
@@ -318,9 +344,9 @@ def test_restart_during_backoff_starts_now_and_cancels_the_pending_start(host):
     pool.start_all()
     slot = pool.slots[0]
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)
-    assert slot.state == S.BACKOFF
+    assert slot.state == SlotState.BACKOFF
     assert pool.restart() == ["m#0"]
-    assert len(host.launched) == 2 and slot.state == S.STARTING
+    assert len(host.launched) == 2 and slot.state == SlotState.STARTING
     assert slot.backoff_timer is None and slot.backoff_until is None
     host.advance(100)
     assert len(host.launched) == 2  # the old backoff timer did not start a second worker
@@ -366,7 +392,7 @@ def test_replace_keeps_the_old_worker_serving_until_the_new_one_is_ready(host):
     assert old.state == S.STOPPED
     assert slot.previous is None and slot.current is new
     assert len(host.launched) == 2  # the old one's exit restarts nothing
-    assert slot.state == S.STARTING  # the slot is still responsible for the new one
+    assert slot.state == SlotState.READY  # it follows its current worker: the new one
 
 
 def test_replaced_worker_with_requests_stops_only_once_idle(host):
@@ -413,7 +439,7 @@ def test_replacement_failing_to_start_leaves_the_old_worker_serving(host):
     ready(pool, old)
     pool.replace(old, "test")
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)
-    assert slot.state == S.BACKOFF
+    assert slot.state == SlotState.BACKOFF
     assert old.state == S.READY and pool.least_loaded() is old
     host.advance(slot.backoff_until - host.now)
     new = slot.current
@@ -432,7 +458,7 @@ def test_old_worker_dying_during_replacement_does_not_disturb_the_new_one(host):
     new = slot.current
     exit_with(pool, old, SIGKILLED)
     assert old.state == S.DEAD and slot.previous is None
-    assert slot.current is new and slot.state == S.STARTING
+    assert slot.current is new and slot.state == SlotState.STARTING
     assert len(host.launched) == 2 and slot.start_failures == 0
     ready(pool, new)
     assert host.stopped == []
@@ -448,7 +474,7 @@ def test_last_worker_of_a_fatal_slot_leaving_reports_the_pool_fatal(host):
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)
     host.advance(slot.backoff_until - host.now)
     exit_with(pool, slot.current, EXIT_LOAD_ERROR)
-    assert slot.state == S.FATAL
+    assert slot.state == SlotState.FATAL
     assert host.fatal == [False]  # the old worker still serves
     exit_with(pool, old, SIGKILLED)
     assert pool.all_fatal()
@@ -464,7 +490,7 @@ def test_rejected_ready_report_does_not_count_as_a_good_start(host):
     assert handle.state == S.STARTING
     host.now += 400
     exit_with(pool, handle, -15)  # killed by the start timeout
-    assert slot.state == S.BACKOFF and slot.start_failures == 1
+    assert slot.state == SlotState.BACKOFF and slot.start_failures == 1
 
 
 # -- probes -------------------------------------------------------------------------------------
@@ -604,3 +630,184 @@ def test_least_loaded_ignores_workers_that_are_not_ready(host):
     b.last_dispatch = 1e9
     assert pool.least_loaded() is b
     assert pool.ready() == [b] and pool.ready_count() == 1
+
+
+# -- the host contract ----------------------------------------------------------------------------
+
+
+def _host_members_used_by_the_pool() -> set[str]:
+    tree = ast.parse(Path(pool_module.__file__).read_text())
+    return {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "host" and isinstance(node.value.value, ast.Name)
+            and node.value.value.id == "self"}
+
+
+def test_the_pool_uses_exactly_what_the_host_protocol_names():
+    declared = set(PoolHost.__annotations__) | {
+        name for name, value in vars(PoolHost).items() if callable(value) and not name.startswith("_")}
+    assert _host_members_used_by_the_pool() == declared
+    assert isinstance(FakeHost(), PoolHost)
+
+
+def test_the_arbiter_is_a_pool_host(tmp_path):
+    from modelwarden.shared.config import load_settings
+    from modelwarden.supervisor.arbiter import Arbiter
+    from tests.helpers import mlp_model, render_config
+    config = tmp_path / "modelwarden.toml"
+    config.write_text(render_config({"runtime_dir": str(tmp_path / "run")}, [mlp_model(workers=1)]))
+    arbiter = Arbiter(load_settings(config))
+    try:
+        assert isinstance(arbiter, PoolHost)
+        assert arbiter.pools["mlp"].host is arbiter
+    finally:
+        arbiter.context.term()
+
+
+def test_a_stuck_start_is_signalled_through_the_host_then_killed_after_kill_grace(host):
+    pool = make_pool(host, start_timeout=30.0, kill_grace=2.0)
+    pool.start_all()
+    handle = host.launched[0]
+    pool.on_worker_state(handle, "LOADING", {})
+    pool.tick(host.now + 29.0)
+    assert host.signals == [] and handle.state == S.LOADING
+    host.now += 30.5
+    pool.tick(host.now)
+    assert handle.state == S.DEAD and pool.slots[0].state == SlotState.DEAD
+    assert host.signals == [(handle, signal.SIGTERM)] and host.recovered == [handle]
+    host.advance(1.9)
+    assert host.signals == [(handle, signal.SIGTERM)]
+    host.advance(0.2)
+    assert host.signals == [(handle, signal.SIGTERM), (handle, signal.SIGKILL)]
+    exit_with(pool, handle, SIGKILLED)
+    assert pool.slots[0].state == SlotState.BACKOFF
+
+
+# -- the slot's machine follows its current worker ----------------------------------------------
+
+
+def test_a_slot_is_ready_when_its_current_worker_is_and_starting_while_a_replacement_boots(host):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    old = slot.current
+    for state in ("LOADING", "WARMING"):
+        pool.on_worker_state(old, state, {})
+        assert slot.state == SlotState.STARTING
+    pool.on_worker_state(old, "READY", {})
+    assert slot.state == SlotState.READY
+    pool.replace(old, "test")
+    new = slot.current
+    assert slot.state == SlotState.STARTING  # its current worker boots; the old one serves on
+    ready(pool, new)
+    assert slot.state == SlotState.READY and old.state == S.DRAINING  # the old one is not current
+    exit_with(pool, old, EXIT_OK)
+    assert slot.state == SlotState.READY
+
+
+def test_a_slot_drains_and_stops_with_its_current_worker_at_shutdown(host):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    handle = slot.current
+    ready(pool, handle)
+    host.stopping = True
+    pool.drain(handle, "shutdown")
+    assert slot.state == SlotState.DRAINING and host.stopped == [handle]
+    exit_with(pool, handle, EXIT_OK)
+    assert handle.state == S.STOPPED and slot.state == SlotState.STOPPED
+    assert slot.current is None and len(host.launched) == 1
+
+
+def test_a_worker_death_logs_the_worker_once_and_the_slot_from_its_own_state(host, caplog):
+    pool = make_pool(host)
+    pool.start_all()
+    slot = pool.slots[0]
+    pool.on_worker_state(slot.current, "LOADING", {})
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="modelwarden"):
+        exit_with(pool, slot.current, SIGKILLED)
+    lines = [(record.levelno, record.getMessage()) for record in caplog.records
+             if " -> " in record.getMessage()]
+    visible = [message for level, message in lines if level >= logging.INFO]
+    assert visible == ["m#0 pid 2000000000: LOADING -> DEAD (SIGKILL)",
+                       "slot m#0: DEAD -> BACKOFF (failed start 1, retry in 0.5s)"]
+    assert (logging.DEBUG, "slot m#0: STARTING -> DEAD (worker DEAD)") in lines
+
+
+def test_illegal_slot_transitions_raise(host):
+    pool = make_pool(host, max_start_failures=1)
+    slot = pool.slots[0]
+    with pytest.raises(IllegalTransition):
+        slot.set_state(SlotState.READY)  # STOPPED -> READY: nothing was started
+    with pytest.raises(IllegalTransition):
+        slot.set_state(SlotState.BACKOFF)  # STOPPED -> BACKOFF: nothing failed
+    pool.start_all()
+    exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+    assert slot.state == SlotState.FATAL
+    for illegal in (SlotState.READY, SlotState.BACKOFF, SlotState.DEAD, SlotState.DRAINING):
+        with pytest.raises(IllegalTransition):
+            slot.set_state(illegal)
+    assert slot.state == SlotState.FATAL
+
+
+# -- the tables -----------------------------------------------------------------------------------
+
+
+def test_every_state_of_each_machine_has_a_row_of_its_own_kind():
+    assert set(WORKER_TRANSITIONS) == set(S)
+    assert set(SLOT_TRANSITIONS) == set(SlotState)
+    assert all(type(new) is S for edges in WORKER_TRANSITIONS.values() for new in edges)
+    assert all(type(new) is SlotState for edges in SLOT_TRANSITIONS.values() for new in edges)
+    assert set(SLOT_FOLLOWS) == set(S)
+
+
+def test_worker_table_a_process_walks_forward_and_never_comes_back():
+    check_transition(S.STARTING, S.LOADING)
+    check_transition(S.WARMING, S.READY)
+    check_transition(S.READY, S.DRAINING)
+    check_transition(S.DRAINING, S.STOPPED)
+    for state in (S.STARTING, S.LOADING, S.WARMING, S.READY, S.DRAINING):
+        check_transition(state, S.DEAD)
+    for old, new in [(S.STARTING, S.READY), (S.LOADING, S.READY), (S.READY, S.WARMING),
+                     (S.READY, S.STOPPED), (S.DEAD, S.STARTING), (S.STOPPED, S.STARTING)]:
+        with pytest.raises(IllegalTransition):
+            check_transition(old, new)
+    assert WORKER_TRANSITIONS[S.DEAD] == WORKER_TRANSITIONS[S.STOPPED] == frozenset()
+
+
+def test_slot_table_restart_policy_edges():
+    check_transition(SlotState.STOPPED, SlotState.STARTING)
+    check_transition(SlotState.READY, SlotState.STARTING)  # a replacement boots
+    for new in (SlotState.STARTING, SlotState.BACKOFF, SlotState.FATAL, SlotState.STOPPED):
+        check_transition(SlotState.DEAD, new)
+    check_transition(SlotState.BACKOFF, SlotState.STARTING)
+    check_transition(SlotState.FATAL, SlotState.STARTING)
+    for old, new in [(SlotState.STARTING, SlotState.BACKOFF), (SlotState.READY, SlotState.FATAL),
+                     (SlotState.BACKOFF, SlotState.READY), (SlotState.FATAL, SlotState.READY),
+                     (SlotState.STOPPED, SlotState.DEAD)]:
+        with pytest.raises(IllegalTransition):
+            check_transition(old, new)
+
+
+def test_a_transition_across_the_two_machines_raises():
+    with pytest.raises(IllegalTransition):
+        check_transition(SlotState.STARTING, S.READY)
+    with pytest.raises(IllegalTransition):
+        check_transition(S.DEAD, SlotState.STARTING)
+
+
+def test_every_edge_a_current_worker_takes_is_an_edge_its_slot_can_follow():
+    for old, edges in WORKER_TRANSITIONS.items():
+        for new in edges:
+            if SLOT_FOLLOWS[old] != SLOT_FOLLOWS[new]:
+                check_transition(SLOT_FOLLOWS[old], SLOT_FOLLOWS[new])
+
+
+def test_every_slot_state_is_reachable_from_stopped():
+    seen, frontier = {SlotState.STOPPED}, [SlotState.STOPPED]
+    while frontier:
+        for new in SLOT_TRANSITIONS[frontier.pop()] - seen:
+            seen.add(new)
+            frontier.append(new)
+    assert seen == set(SlotState)

@@ -530,3 +530,13 @@ def test_request_id_of_falls_back_to_none():
     assert protocol.request_id_of({"id": "abc"}) == "abc"
     for rid in (True, False, None, 1.0, [1], "é" * 65, 2**63, -(2**63)):
         assert protocol.request_id_of({"id": rid}) is None
+
+
+def test_add_to_map_appends_an_entry_without_decoding():
+    import msgpack
+    packed = protocol.pack({"id": 7, "ok": True, "worker": "m#0"})
+    grown = protocol.add_to_map(memoryview(packed), "timing", {"queue_us": 3, "batch": 2})
+    assert msgpack.unpackb(grown) == {"id": 7, "ok": True, "worker": "m#0",
+                                      "timing": {"queue_us": 3, "batch": 2}}
+    big = protocol.pack({f"k{i}": i for i in range(15)})  # a full fixmap: decoded and re-packed
+    assert msgpack.unpackb(protocol.add_to_map(big, "timing", 1))["timing"] == 1

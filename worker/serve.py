@@ -1,4 +1,5 @@
-"""The worker's serving loop: one request at a time, heartbeats from the loop itself.
+"""The worker's serving loop: one request (or one batch) at a time, heartbeats from the loop
+itself.
 
 Heartbeats come from this loop, not from a side thread: a worker stuck in ``forward`` stops
 beating, and the supervisor's ``heartbeat_timeout`` catches it. The loop also watches the
@@ -11,9 +12,12 @@ Buffer descriptors come on a second channel, the worker's private SEQPACKET sock
 Messages on the backend socket (a DEALER; the supervisor's ROUTER adds our identity). It is
 internal, so it carries no signature frame: one frame fewer per message on the hot path.
 
-  supervisor -> worker
+  supervisor -> worker (the type names are constants in shared/protocol.py)
     [{"type": "run", "rid": N}, client_header, payload...]   a client's infer request
     [{"type": "run", "rid": N, "probe": true}]                the sentinel probe
+    [{"type": "batch", "rids": [N1, N2, ...], "frames": [F1, F2, ...]},
+     client_header1, payload1..., client_header2, payload2...]
+          requests for one forward pass: member i has Fi frames (its header and payload)
     [{"type": "forget", "tokens": [...]}]                     unmap revoked client buffers
     [{"type": "stop"}]                                        exit 0 (sent once drained)
   worker -> supervisor
@@ -25,9 +29,12 @@ internal, so it carries no signature frame: one frame fewer per message on the h
                 READY: device, cores, threads, interop_threads, probe_baseline_us
     [{"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
     [{"type": "heartbeat", "cuda_bytes": N}]                cuda_bytes on GPU workers only
-    [{"type": "result", "rid": N, "ok": true, "outputs": TREE, "tensors": [...],
-      "compute_us": N}, payload...]
-    [{"type": "result", "rid": N, "ok": false, "error": {"code": C, "message": M}}]
+    [{"type": "result", "rid": N, "ok": true, "compute_us": N, "batch": SIZE}, reply, payload...]
+    [{"type": "result", "rid": N, "ok": false}, reply]
+          one per request (a batch is answered member by member). ``reply`` is the client's
+          reply header, written here (protocol.py "Reply", with "worker" and without "timing"):
+          the supervisor relays it as it is, appending only "timing" to the packed map.
+          ``compute_us`` is the whole forward pass's time, ``batch`` its number of requests.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import zmq
@@ -67,13 +74,13 @@ class Channel:
         send_parts(self.socket, parts)
 
     def hello(self, secret: bytes) -> None:
-        self.send({"type": "hello", "secret": secret})
+        self.send({"type": protocol.HELLO, "secret": secret})
 
     def state(self, state: str, **info: Any) -> None:
-        self.send({"type": "state", "state": state, "info": info})
+        self.send({"type": protocol.STATE, "state": state, "info": info})
 
     def failed(self, stage: str, message: str) -> None:
-        self.send({"type": "failed", "stage": stage, "message": message[:MAX_MESSAGE_CHARS]})
+        self.send({"type": protocol.FAILED, "stage": stage, "message": message[:MAX_MESSAGE_CHARS]})
 
 
 class WorkerServer:
@@ -134,11 +141,13 @@ class WorkerServer:
             logger.error("dropping a malformed message from the supervisor: %s", exc.message)
             return None
         kind = header.get("type")
-        if kind == "run":
-            self._run(header, frames[1:])
-        elif kind == "forget":
+        if kind == protocol.RUN:
+            self._run_alone(header.get("rid"), bool(header.get("probe")), frames[1:])
+        elif kind == protocol.BATCH:
+            self._run_batch(header, frames[1:])
+        elif kind == protocol.FORGET:
             self.segments.forget(header.get("tokens") or [])
-        elif kind == "stop":
+        elif kind == protocol.STOP:
             logger.info("stopping as asked after %d requests", self.served)
             return EXIT_OK
         else:
@@ -146,41 +155,99 @@ class WorkerServer:
         return None
 
     def _heartbeat(self) -> None:
-        beat: dict[str, Any] = {"type": "heartbeat"}
+        beat: dict[str, Any] = {"type": protocol.HEARTBEAT}
         if self.device.type == "cuda":
             beat["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
         self.channel.send(beat)
 
     # -- one request ------------------------------------------------------------------------
 
-    def _run(self, envelope: dict, frames: list) -> None:
-        rid = envelope.get("rid")
-        reply_frames: list = []
-        try:
-            # On a GPU everything -- the copies in, forward, the copies out -- is queued on this
-            # worker's own stream, so nothing races with work on the default stream.
-            with self._on_stream():
-                reply, reply_frames = self._compute(envelope, frames)
-            reply.update(type="result", rid=rid, ok=True)
-        except ProtocolError as exc:
-            reply = _failure(rid, exc.code, exc.message)
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            reply = _failure(rid, OUT_OF_MEMORY, f"{type(exc).__name__}: {exc}")
-        except Exception as exc:  # the model's own error: report it, keep serving
-            logger.warning("request %s: model raised %s: %s", rid, type(exc).__name__, exc)
-            reply = _failure(rid, MODEL_ERROR, f"{type(exc).__name__}: {exc}")
-        self.channel.send(reply, reply_frames)
-        self.served += 1
+    def _run_alone(self, rid: Any, probe: bool, frames: list) -> None:
+        call = self._probe_call(rid) if probe else self._prepare(rid, frames)
+        if call is not None:
+            self._run_call(call)
 
-    def _decode(self, frames: list):
-        request = protocol.parse_infer(protocol.unpack_header(frames[0].buffer, strict=False),
-                                       len(frames) - 1)
-        payload = frames[1:]
+    def _run_call(self, call: "Call") -> None:
+        """Forward one request and answer it, whatever happens."""
+        try:
+            with self._on_stream():
+                outputs, compute_us = self._forward(call.args, call.kwargs)
+                leaves: list = []
+                tree = _flatten_outputs(outputs, leaves)
+                self._answer(call, tree, leaves, compute_us, 1)
+        except Exception as exc:
+            self._answer_failure(call.rid, call.client_id, exc)
+
+    def _prepare(self, rid: Any, frames: list) -> "Call | None":
+        """The request decoded and checked, or None once it was answered with its error."""
+        client_id = None
+        try:
+            header = protocol.unpack_header(frames[0].buffer, strict=False)
+            client_id = header.get("id")
+            with self._on_stream():
+                return self._decode(rid, client_id, header, frames[1:])
+        except Exception as exc:
+            self._answer_failure(rid, client_id, exc)
+            return None
+
+    def _probe_call(self, rid: Any) -> "Call":
+        return Call(rid, None, self.probe_args, {}, [], None, None, [], 0)
+
+    def _forward(self, args: tuple, kwargs: dict) -> tuple[Any, int]:
+        started = time.perf_counter_ns()
+        outputs = self.model(*args, **kwargs)
+        if self.stream is not None:
+            self.stream.synchronize()  # compute time is the GPU's time, not the launch's
+        return outputs, (time.perf_counter_ns() - started) // 1000
+
+    # -- a batch ----------------------------------------------------------------------------
+
+    def _run_batch(self, envelope: dict, frames: list) -> None:
+        """Several requests, one forward pass. Failures stay per request: a member whose input
+        fails its checks is answered alone; if the batched forward raises, or its outputs cannot
+        be split by member, every member runs again alone, so one bad input fails only itself."""
+        members = _split_members(envelope, frames)
+        if members is None:
+            logger.error("dropping a malformed batch message from the supervisor")
+            return
+        calls = [call for call in (self._prepare(rid, part) for rid, part in members) if call]
+        if len(calls) <= 1:
+            for call in calls:
+                self._run_call(call)
+            return
+        try:
+            with self._on_stream():
+                args, kwargs = _concatenate(calls, self.dim)
+                outputs, compute_us = self._forward(args, kwargs)
+                leaves: list = []
+                tree = _flatten_outputs(outputs, leaves)
+                shares = _split_outputs(leaves, [call.rows for call in calls], self.dim)
+        except Exception as exc:
+            logger.warning("a batch of %d failed as a whole (%s: %s); running each alone",
+                           len(calls), type(exc).__name__, exc)
+            if self.device.type == "cuda" and isinstance(exc, torch.OutOfMemoryError):
+                torch.cuda.empty_cache()
+            for call in calls:
+                self._run_call(call)
+            return
+        for call, share in zip(calls, shares):
+            try:
+                with self._on_stream():
+                    self._answer(call, tree, share, compute_us, len(calls))
+            except Exception as exc:
+                self._answer_failure(call.rid, call.client_id, exc)
+
+    @property
+    def dim(self) -> int:
+        return self.spec.model.batching.dim
+
+    # -- decoding and answering -------------------------------------------------------------
+
+    def _decode(self, rid: Any, client_id: Any, header: dict, payload: list) -> "Call":
+        request = protocol.parse_infer(header, len(payload))
         protocol.frame_lengths_match(request.tensors, payload)
         tensors, sources = [], []
-        for index, desc in enumerate(request.tensors):
+        for desc in request.tensors:
             if desc.shm is None:
                 tensors.append(from_bytes(payload[desc.frame].buffer, desc.dtype, desc.shape))
                 continue
@@ -201,36 +268,44 @@ class WorkerServer:
             token, offset, nbytes = request.out
             segment, view = self.segments.region(token, offset, nbytes)
             out = (segment, offset, view)
-        value = unflatten(request.tree, tensors)
-        if isinstance(request.tree, dict) and "dict" in request.tree:
-            return (), value, sources, out
-        if isinstance(request.tree, int):
-            return (value,), {}, sources, out
-        return tuple(value), {}, sources, out
+        args, kwargs = _call_arguments(request.tree, tensors)
+        rows = tensors[0].shape[self.dim] if tensors and tensors[0].dim() > self.dim else 0
+        return Call(rid, client_id, args, kwargs, sources, out, request.tree, tensors, rows)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _compute(self, envelope: dict, frames: list) -> tuple[dict, list]:
-        if envelope.get("probe"):
-            args, kwargs, sources, out = self.probe_args, {}, [], None
-        else:
-            args, kwargs, sources, out = self._decode(frames)
-        started = time.perf_counter_ns()
-        outputs = self.model(*args, **kwargs)
-        if self.stream is not None:
-            self.stream.synchronize()  # compute time is the GPU's time, not the launch's
-        compute_us = (time.perf_counter_ns() - started) // 1000
-        reply, reply_frames = self._encode(outputs, out, sources)
-        reply["compute_us"] = compute_us
-        return reply, reply_frames
+    def _answer(self, call: "Call", tree: Any, leaves: list, compute_us: int, batch: int) -> None:
+        """The client's reply header, written here: the supervisor relays it as it is (adding
+        only its own timing)."""
+        descs, frames = self._encode(leaves, call.out, call.sources)
+        reply = {"id": call.client_id, "ok": True, "outputs": tree, "tensors": descs,
+                 "worker": self.spec.worker_id}
+        envelope = {"type": protocol.RESULT, "rid": call.rid, "ok": True,
+                    "compute_us": compute_us, "batch": batch}
+        send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply), *frames])
+        self.served += 1
 
-    def _encode(self, outputs: Any, out, sources: list[Segment]) -> tuple[dict, list]:
-        leaves: list = []
-        try:
-            tree = flatten(outputs, leaves)
-        except TypeError as exc:
-            raise ProtocolError(MODEL_ERROR, f"model output cannot travel: {exc}") from None
+    def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
+        code, message = self._failure_of(rid, exc)
+        reply = protocol.error_header(client_id, code, message[:MAX_MESSAGE_CHARS])
+        reply["worker"] = self.spec.worker_id
+        envelope = {"type": protocol.RESULT, "rid": rid, "ok": False}
+        send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply)])
+        self.served += 1
+
+    def _failure_of(self, rid: Any, exc: BaseException) -> tuple[str, str]:
+        if isinstance(exc, ProtocolError):
+            return exc.code, exc.message
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return OUT_OF_MEMORY, f"{type(exc).__name__}: {exc}"
+        # the model's own error: report it, keep serving
+        logger.warning("request %s: model raised %s: %s", rid, type(exc).__name__, exc)
+        return MODEL_ERROR, f"{type(exc).__name__}: {exc}"
+
+    def _encode(self, leaves: list, out, sources: list[Segment]) -> tuple[list, list]:
         descs, frames, cursor = [], [], 0
         threshold = self.spec.shm_threshold
         for leaf in leaves:
@@ -255,7 +330,74 @@ class WorkerServer:
             descs.append(desc)
         if self.stream is not None:
             self.stream.synchronize()
-        return {"outputs": tree, "tensors": descs}, frames
+        return descs, frames
+
+
+class Call(NamedTuple):
+    """One request, decoded, ready for the model."""
+
+    rid: Any
+    client_id: Any
+    args: tuple
+    kwargs: dict
+    sources: list  # the segments its inputs lie in (an output aliasing one goes back as a pointer)
+    out: Any  # (segment, offset, view) of its output region, or None
+    tree: Any  # its input TREE
+    tensors: list  # its input tensors in descriptor order
+    rows: int  # its size along the batch dimension
+
+
+def _call_arguments(tree: Any, tensors: list) -> tuple[tuple, dict]:
+    value = unflatten(tree, tensors)
+    if isinstance(tree, dict) and "dict" in tree:
+        return (), value
+    if isinstance(tree, int):
+        return (value,), {}
+    return tuple(value), {}
+
+
+def _flatten_outputs(outputs: Any, leaves: list) -> Any:
+    try:
+        return flatten(outputs, leaves)
+    except TypeError as exc:
+        raise ProtocolError(MODEL_ERROR, f"model output cannot travel: {exc}") from None
+
+
+def _split_members(envelope: dict, frames: list) -> list[tuple[Any, list]] | None:
+    """[(rid, [header, payload...]), ...] from a batch message, or None if it does not add up."""
+    rids, counts = envelope.get("rids"), envelope.get("frames")
+    if (not isinstance(rids, list) or not isinstance(counts, list) or len(rids) != len(counts)
+            or not all(isinstance(n, int) and n >= 1 for n in counts) or sum(counts) != len(frames)):
+        return None
+    members, start = [], 0
+    for rid, count in zip(rids, counts):
+        members.append((rid, frames[start:start + count]))
+        start += count
+    return members
+
+
+def _concatenate(calls: list[Call], dim: int) -> tuple[tuple, dict]:
+    """Every member's inputs joined along ``dim``: one copy per input (the supervisor merged
+    only requests with the same tree, dtypes and non-batch dimensions; checked again here)."""
+    first = calls[0]
+    if any(call.tree != first.tree or len(call.tensors) != len(first.tensors) for call in calls):
+        raise ValueError("batch members disagree on their inputs")
+    joined = [torch.cat([call.tensors[index] for call in calls], dim)
+              for index in range(len(first.tensors))]
+    return _call_arguments(first.tree, joined)
+
+
+def _split_outputs(leaves: list, rows: list[int], dim: int) -> list[list]:
+    """Per member, its share of every output: views along ``dim``, no copy."""
+    total = sum(rows)
+    pieces = []
+    for index, leaf in enumerate(leaves):
+        tensor = leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
+        if tensor.dim() <= dim or tensor.shape[dim] != total:
+            raise ValueError(f"output {index} has shape {list(tensor.shape)}: not {total} rows "
+                             f"along dim {dim}, so it cannot be split by member")
+        pieces.append(torch.split(tensor, rows, dim))
+    return [[piece[member] for piece in pieces] for member in range(len(rows))]
 
 
 def _alias(tensor: torch.Tensor, nbytes: int, sources: list[Segment]) -> tuple[Segment, int] | None:
@@ -269,8 +411,3 @@ def _alias(tensor: torch.Tensor, nbytes: int, sources: list[Segment]) -> tuple[S
         if start <= address and address + nbytes <= start + segment.size:
             return segment, address - start
     return None
-
-
-def _failure(rid: Any, code: str, message: str) -> dict:
-    return {"type": "result", "rid": rid, "ok": False,
-            "error": {"code": code, "message": message[:MAX_MESSAGE_CHARS]}}

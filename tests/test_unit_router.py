@@ -1,0 +1,283 @@
+"""Unit tests of supervisor/router.py against FakeRouterHost: an implementation of the router's
+``RouterHost`` protocol with a fake clock, real Timers, real ModelPools (on the pool tests'
+FakeHost, no processes) and real ZeroMQ sockets over ``inproc://``: a client DEALER talks to a
+frontend ROUTER, and one DEALER per fake worker sits on the backend ROUTER, so every message the
+router sends is read back and checked as bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import msgpack
+import pytest
+import zmq
+
+from modelwarden.shared import protocol
+from modelwarden.shared.config import DaemonConfig, Settings
+from modelwarden.shared.protocol import SIGNATURE
+from modelwarden.shared.sockets import recv_parts
+from modelwarden.supervisor.buffers import BufferRegistry
+from modelwarden.supervisor.router import Router, RouterHost
+from tests.test_unit_pool import FakeHost, exit_with, make_pool, ready
+
+_ports = itertools.count()
+
+
+class FakeRouterHost(FakeHost):
+    """A RouterHost and the PoolHost of its pools at once, as the Arbiter is."""
+
+    def __init__(self, context: zmq.Context) -> None:
+        super().__init__()
+        self.settings = Settings(daemon=DaemonConfig())
+        self.pools: dict = {}
+        self.registry = BufferRegistry()
+        name = f"inproc://router-test-{next(_ports)}"
+        self.backend = context.socket(zmq.ROUTER)
+        self.backend.bind(name + "-backend")
+        self.backend_name = name + "-backend"
+        self.frontend = context.socket(zmq.ROUTER)
+        self.frontend.bind(name + "-frontend")
+        self.client = context.socket(zmq.DEALER)
+        self.client.connect(name + "-frontend")
+        self.context = context
+        self.router: Router | None = None
+
+    def shm_offered(self, frontend: int) -> bool:
+        return False
+
+    def recover_requests(self, pool, handle) -> None:
+        if self.router is None:
+            super().recover_requests(pool, handle)
+        else:
+            self.router.recover(pool, handle)
+
+    def on_worker_ready(self, pool) -> None:
+        super().on_worker_ready(pool)
+        if self.router is not None:
+            self.router.dispatch(pool)
+
+    def worker_spec(self, config, slot, generation, placement):
+        spec = super().worker_spec(config, slot, generation, placement)
+        spec.identity = f"{config.name}#{slot}.{generation}".encode()  # a DEALER needs one
+        return spec
+
+
+class Harness:
+    """The router, its host, one pool of ``workers`` READY fake workers, each with a DEALER."""
+
+    def __init__(self, context: zmq.Context, workers: int = 1, **model) -> None:
+        self.host = FakeRouterHost(context)
+        self.router = self.host.router = Router(self.host)
+        self.pool = make_pool(self.host, workers=workers, **model)
+        self.host.pools[self.pool.name] = self.pool
+        self.pool.start_all()
+        self.workers = {}
+        for handle in self.host.launched:
+            ready(self.pool, handle)
+            dealer = context.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.IDENTITY, handle.identity)
+            dealer.connect(self.host.backend_name)
+            self.workers[handle.identity] = dealer
+        self._ids = itertools.count(1)
+        self.sent: dict[int, list] = {}
+
+    @property
+    def handles(self):
+        return self.host.launched
+
+    def send(self, rows: int = 1, timeout_ms: int | None = None, width: int = 8) -> int:
+        """A client request, as the arbiter hands it to the router; returns its client id."""
+        client_id = next(self._ids)
+        header = {"type": "infer", "id": client_id, "model": self.pool.name, "inputs": 0,
+                  "tensors": [{"dtype": "float32", "shape": [rows, width], "frame": 0}]}
+        if timeout_ms is not None:
+            header["timeout_ms"] = timeout_ms
+        payload = bytes(range(256)) * (rows * width * 4 // 256) + bytes(rows * width * 4 % 256)
+        self.host.client.send_multipart([SIGNATURE, protocol.pack(header), payload])
+        frames = recv_parts(self.host.frontend)
+        envelope = protocol.split_router_message(frames)
+        self.router.accept_infer(self.host.frontend, (0, frames[0].bytes), envelope,
+                                 protocol.unpack_header(envelope.header.buffer))
+        self.router.dispatch_wanted()
+        self.sent[client_id] = [protocol.pack(header), payload]
+        return client_id
+
+    def worker_receives(self, handle, timeout_ms: int = 1000) -> tuple[dict, list[bytes]]:
+        dealer = self.workers[handle.identity]
+        assert dealer.poll(timeout_ms), f"{handle.worker_id} got nothing"
+        frames = dealer.recv_multipart()
+        return msgpack.unpackb(frames[0]), frames[1:]
+
+    def worker_idle(self, handle) -> bool:
+        return not self.workers[handle.identity].poll(50)
+
+    def answer(self, handle, rid: int, client_id, ok: bool = True, batch: int = 1) -> None:
+        """The worker's result, as the arbiter hands it to the router."""
+        reply = ({"id": client_id, "ok": True, "outputs": 0,
+                  "tensors": [{"dtype": "float32", "shape": [1], "frame": 0}],
+                  "worker": handle.worker_id} if ok else
+                 {**protocol.error_header(client_id, "MODEL_ERROR", "boom"),
+                  "worker": handle.worker_id})
+        envelope = {"type": protocol.RESULT, "rid": rid, "ok": ok, "compute_us": 5, "batch": batch}
+        frames = [zmq.Frame(protocol.pack(reply))] + ([zmq.Frame(b"\0" * 4)] if ok else [])
+        self.router.on_result(self.pool, handle, envelope, frames)
+        self.router.dispatch_wanted()
+
+    def client_receives(self, timeout_ms: int = 1000) -> tuple[dict, list[bytes]]:
+        assert self.host.client.poll(timeout_ms), "the client got no answer"
+        frames = self.host.client.recv_multipart()
+        assert frames[0] == SIGNATURE
+        return msgpack.unpackb(frames[1]), frames[2:]
+
+    def client_idle(self) -> bool:
+        return not self.host.client.poll(50)
+
+
+@pytest.fixture
+def context():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_the_host_fake_is_a_router_host(context):
+    assert isinstance(FakeRouterHost(context), RouterHost)
+    _: RouterHost = FakeRouterHost(context)
+
+
+def test_a_request_goes_to_a_free_worker_unchanged_and_gets_one_answer(context):
+    rig = Harness(context)
+    worker = rig.handles[0]
+    client_id = rig.send()
+    envelope, frames = rig.worker_receives(worker)
+    assert envelope["type"] == protocol.RUN
+    assert frames == rig.sent[client_id]  # the client's header and payload, as they came
+    rig.answer(worker, envelope["rid"], client_id)
+    header, payload = rig.client_receives()
+    assert header["id"] == client_id and header["ok"] and header["worker"] == worker.worker_id
+    assert set(header["timing"]) == {"queue_us", "compute_us", "total_us", "batch"}
+    assert header["timing"]["compute_us"] == 5 and payload == [b"\0" * 4]
+    rig.answer(worker, envelope["rid"], client_id)  # a second answer for the same rid
+    assert rig.client_idle()
+    assert not rig.router.pending and not worker.inflight
+
+
+def test_requests_queue_while_every_worker_is_busy_and_go_when_one_frees(context):
+    rig = Harness(context)
+    worker = rig.handles[0]
+    first = rig.send()
+    second = rig.send()
+    run, _ = rig.worker_receives(worker)
+    assert rig.worker_idle(worker) and rig.router.queued(rig.pool) == 1
+    rig.answer(worker, run["rid"], first)
+    nxt, frames = rig.worker_receives(worker)
+    assert nxt["type"] == protocol.RUN and frames == rig.sent[second]
+    assert rig.router.queued(rig.pool) == 0
+
+
+def test_queued_compatible_requests_go_as_one_batch_message(context):
+    rig = Harness(context, batching={"max_size": 8})
+    worker = rig.handles[0]
+    busy = rig.send()
+    run, _ = rig.worker_receives(worker)
+    queued = [rig.send(rows=rows) for rows in (1, 2, 3)]
+    odd = rig.send(width=4)  # another non-batch dimension: never merged
+    rig.answer(worker, run["rid"], busy)
+    rig.client_receives()
+    batch, frames = rig.worker_receives(worker)
+    assert batch["type"] == protocol.BATCH and batch["frames"] == [2, 2, 2]
+    assert frames == [part for client_id in queued for part in rig.sent[client_id]]
+    for rid, client_id in zip(batch["rids"], queued):
+        rig.answer(worker, rid, client_id, batch=3)
+        header, _ = rig.client_receives()
+        assert header["id"] == client_id and header["timing"]["batch"] == 3
+    alone, frames = rig.worker_receives(worker)
+    assert alone["type"] == protocol.RUN and frames == rig.sent[odd]
+    assert rig.router.batches[rig.pool.name].view()["histogram"] == {"1": 2, "3": 1}
+
+
+def test_a_partial_batch_is_held_until_max_delay_after_its_head_arrived(context):
+    rig = Harness(context, batching={"max_size": 8, "max_delay_us": 2000})
+    worker = rig.handles[0]
+    busy = rig.send()
+    run, _ = rig.worker_receives(worker)
+    held = rig.send()
+    rig.answer(worker, run["rid"], busy)
+    rig.client_receives()
+    assert rig.worker_idle(worker)  # the worker is free, but the partial batch waits
+    rig.host.advance(0.001)
+    later = rig.send()
+    assert rig.worker_idle(worker)
+    rig.host.advance(0.0011)  # 2.1 ms after the head arrived
+    batch, frames = rig.worker_receives(worker)
+    assert batch["type"] == protocol.BATCH and len(batch["rids"]) == 2
+    assert frames == rig.sent[held] + rig.sent[later]
+
+
+def test_a_lone_request_on_an_idle_pool_is_never_held(context):
+    rig = Harness(context, batching={"max_size": 8, "max_delay_us": 10_000_000})
+    rig.send()
+    run, _ = rig.worker_receives(rig.handles[0])
+    assert run["type"] == protocol.RUN
+
+
+def test_a_deadline_answers_timeout_once_and_a_late_result_is_dropped(context):
+    rig = Harness(context)
+    worker = rig.handles[0]
+    busy = rig.send(timeout_ms=1000)
+    queued = rig.send(timeout_ms=500)
+    run, _ = rig.worker_receives(worker)
+    rig.host.advance(0.6)
+    header, _ = rig.client_receives()
+    assert header["id"] == queued and header["error"]["code"] == protocol.TIMEOUT
+    assert "in the queue" in header["error"]["message"] and rig.router.queued(rig.pool) == 0
+    rig.host.advance(0.5)
+    header, _ = rig.client_receives()
+    assert header["id"] == busy and header["error"]["code"] == protocol.TIMEOUT
+    rig.answer(worker, run["rid"], busy)
+    assert rig.client_idle() and not rig.router.pending
+
+
+def test_a_full_queue_answers_overloaded_at_once(context):
+    rig = Harness(context, max_queue=1)
+    rig.send()
+    rig.send()
+    third = rig.send()
+    header, _ = rig.client_receives()
+    assert header["id"] == third and header["error"]["code"] == protocol.OVERLOADED
+
+
+def test_a_dead_workers_batch_is_retried_one_per_forward_and_poison_ends_alone(context):
+    rig = Harness(context, workers=2, batching={"max_size": 8})
+    first, second = rig.handles
+    busy = [rig.send(), rig.send()]
+    runs = {h.identity: rig.worker_receives(h)[0] for h in (first, second)}
+    members = [rig.send() for _ in range(3)]
+    rig.answer(first, runs[first.identity]["rid"], busy[0])
+    rig.client_receives()
+    batch, _ = rig.worker_receives(first)
+    assert batch["type"] == protocol.BATCH and len(batch["rids"]) == 3
+    exit_with(rig.pool, first, -9)  # the worker dies holding the batch
+    rig.router.dispatch_wanted()
+    rig.answer(second, runs[second.identity]["rid"], busy[1])
+    rig.client_receives()
+    retried, _ = rig.worker_receives(second)  # one request per forward from now on
+    assert retried["type"] == protocol.RUN
+    exit_with(rig.pool, second, -9)  # ... and it kills this worker too: poison
+    header, _ = rig.client_receives()
+    assert header["id"] == members[0] and header["error"]["code"] == protocol.POISON
+    assert [request.client_id for request in rig.router.queues[rig.pool.name]] == members[1:]
+    assert all(request.alone for request in rig.router.queues[rig.pool.name])
+
+
+def test_a_worker_error_reply_is_relayed_unchanged(context):
+    rig = Harness(context)
+    worker = rig.handles[0]
+    client_id = rig.send()
+    run, _ = rig.worker_receives(worker)
+    rig.answer(worker, run["rid"], client_id, ok=False)
+    header, payload = rig.client_receives()
+    assert header == {"id": client_id, "ok": False, "worker": worker.worker_id,
+                      "error": {"code": "MODEL_ERROR", "message": "boom"}}
+    assert payload == [] and worker.errors == 1
