@@ -682,8 +682,8 @@ def print_targets(report: list[dict]) -> None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     epilog="Systems: " + ", ".join(SYSTEMS))
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="0.3 s warm-up + 1.2 s window per point (a smoke run)")
     parser.add_argument("--only", default=",".join(SYSTEMS),
