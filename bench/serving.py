@@ -22,8 +22,9 @@ Systems (--only takes these names, comma-separated):
                peers, each installed by this script into its own virtualenv under
                bench/.peers/NAME (torch==2.13.0 CPU, never a dependency of the project), server
                script bench/peers/NAME_server.py, 2 workers/replicas x 1 thread, batching off
-               and on (max 16, wait 1 ms; W1 and W2), loaded over HTTP/1.1 keep-alive by httpx
-               (bench/peers/httpload.py) running in the peer's virtualenv.
+               and on (max 16, wait 1 ms; W1 and W2), loaded over HTTP/1.1 keep-alive by httpx,
+               one thread and connection per request in flight (bench/peers/httpload.py),
+               running in the peer's virtualenv.
 
 Every point is a closed loop at 1, 8 and 64 requests in flight (--concurrency): a warm-up, then a
 fixed measuring window (1 s + 4 s; --quick: 0.3 s + 1.2 s). Per point: requests/s, p50, p99,
