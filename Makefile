@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed-stamp
 TORCH   ?= torch==2.13.0
 CONFIG  ?= examples/modelwarden.toml
 
-.PHONY: install run test test-fast test-systemd bench soak mutants lint clean
+.PHONY: install run test test-fast test-systemd bench bench-serving soak mutants lint clean
 
 install: $(STAMP)
 
@@ -32,6 +32,11 @@ test-systemd: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/payloads.py
+
+# Closed-loop serving benchmark against in-process schemes and peers (mosec, LitServe, Ray Serve,
+# PyTriton), each installed on first use into its own virtualenv under bench/.peers/.
+bench-serving: $(STAMP)
+	$(PY) bench/serving.py
 
 soak: $(STAMP)
 	$(PY) bench/soak.py

@@ -1,0 +1,754 @@
+"""Serving benchmark: modelwarden under closed-loop load, against in-process schemes and the model
+servers users would pick instead (issue 9), in one run on this machine.
+
+    make bench-serving                      # = .venv/bin/python bench/serving.py
+    python bench/serving.py [--quick] [--only SYSTEMS] [--workloads W1,W2,W3]
+                            [--concurrency 1,8,64] [--no-peers] [--json PATH]
+
+Workloads (bench/models.py; the same weights everywhere):
+  W1  small: MLP 64 -> 256 -> 10, float32 input [1, 64]
+  W2  busy:  a chain of 512 x 512 layers whose depth is calibrated at start-up so that one
+             in-process forward (batch 1, one thread) takes ~4 ms; the measured p50 is reported
+  W3  big:   identity on a 4 MiB float32 tensor [1, 1024, 1024] (shared memory for modelwarden)
+
+Systems (--only takes these names, comma-separated):
+  modelwarden  the daemon over ipc:// (ZeroMQ), 2 workers x 1 thread: batching off, and on with
+               max_size 16 and max_delay_us 0 and 1000 (skipped, saying why, when the installed
+               modelwarden has no [models.batching]); plus one worker, batching off, on W2.
+               Client: modelwarden.Client at 1 in flight, AsyncClient with N tasks above.
+  inprocess    the background article's alternatives in this process, N client threads: one
+               shared model behind a lock, and a queue served by one worker thread (W1, W2).
+  mosec, litserve, ray, pytriton
+               peers, each installed by this script into its own virtualenv under
+               bench/.peers/NAME (torch==2.13.0 CPU, never a dependency of the project), server
+               script bench/peers/NAME_server.py, 2 workers/replicas x 1 thread, batching off
+               and on (max 16, wait 1 ms; W1 and W2), loaded over HTTP/1.1 keep-alive by httpx,
+               one thread and connection per request in flight (bench/peers/httpload.py),
+               running in the peer's virtualenv.
+
+Every point is a closed loop at 1, 8 and 64 requests in flight (--concurrency): a warm-up, then a
+fixed measuring window (1 s + 4 s; --quick: 0.3 s + 1.2 s). Per point: requests/s, p50, p99,
+errors (a sample of answers is compared with the in-process model: a mismatch is an error) and,
+for modelwarden, the supervisor's CPU time (utime + stime from /proc/PID/stat) per request.
+After the table: each target of issue 9 as a ratio of numbers measured in this run, PASS/MISS.
+Everything is also written as JSON (default bench/results/serving.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import queue
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.loadgen import Window, run_async, run_threads  # noqa: E402
+from bench.models import BUSY_WIDTH, FACTORIES  # noqa: E402
+from bench.payloads import cpu_seconds  # noqa: E402
+
+PEERS_DIR = ROOT / "bench" / ".peers"
+TORCH = "torch==2.13.0"  # unpinned, pip pulls a multi-GB CUDA build
+BUSY_TARGET_MS = 4.0
+BATCH_MAX = 16
+PEER_WAIT_MS = 1
+SAMPLE_INPUTS = 8
+SYSTEMS = ("modelwarden", "inprocess", "mosec", "litserve", "ray", "pytriton")
+
+
+# -- workloads --------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    name: str
+    title: str
+    kind: str
+    kwargs: dict
+    input_shape: list[int]
+    batchable: bool  # peers and in-process schemes run it with batching on too
+    model: torch.nn.Module | None = None
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    expected: list[torch.Tensor] = field(default_factory=list)
+    forward_p50_ms: float | None = None
+    batch_p50_ms: float | None = None  # one forward of BATCH_MAX requests
+
+
+def make_workloads(names: list[str]) -> dict[str, Workload]:
+    catalogue = {
+        "W1": Workload("W1", "MLP 64->256->10, [1,64]", "mlp", {}, [1, 64], True),
+        "W2": Workload("W2", "busy matmul chain, [1,512]", "busy", {}, [1, 512], True),
+        "W3": Workload("W3", "identity, 4 MiB", "identity", {}, [1, 1024, 1024], False),
+    }
+    workloads = {name: catalogue[name] for name in names}
+    torch.set_num_threads(1)
+    if "W2" in workloads:
+        workloads["W2"].kwargs = {"depth": calibrate_busy_depth()}
+    for workload in workloads.values():
+        prepare(workload)
+    return workloads
+
+
+def forward_p50_ms(model, x: torch.Tensor, seconds: float = 0.5) -> float:
+    samples = []
+    with torch.inference_mode():
+        model(x)
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline or len(samples) < 5:
+            started = time.perf_counter()
+            model(x)
+            samples.append(time.perf_counter() - started)
+    return statistics.median(samples) * 1000
+
+
+def calibrate_busy_depth(rounds: int = 4) -> int:
+    """The depth whose batch-1 forward on one thread takes ~BUSY_TARGET_MS on this machine.
+    Rescaled a few times: the time per layer grows once the weights no longer fit in cache."""
+    x, depth = torch.randn(1, BUSY_WIDTH), 16
+    for _ in range(rounds):
+        took = forward_p50_ms(FACTORIES["busy"](depth=depth), x, seconds=0.3)
+        if abs(took - BUSY_TARGET_MS) < 0.1 * BUSY_TARGET_MS:
+            break
+        depth = max(1, round(depth * BUSY_TARGET_MS / took))
+    return depth
+
+
+def prepare(workload: Workload) -> None:
+    generator = torch.Generator().manual_seed(1)
+    workload.model = FACTORIES[workload.kind](**workload.kwargs)
+    workload.inputs = [torch.randn(workload.input_shape, generator=generator)
+                       for _ in range(SAMPLE_INPUTS)]
+    with torch.inference_mode():
+        workload.expected = [workload.model(x).clone() for x in workload.inputs]
+    workload.forward_p50_ms = round(forward_p50_ms(workload.model, workload.inputs[0]), 3)
+    if workload.batchable:
+        batch = torch.cat([workload.inputs[n % SAMPLE_INPUTS] for n in range(BATCH_MAX)])
+        workload.batch_p50_ms = round(forward_p50_ms(workload.model, batch), 3)
+
+
+def matches(workload: Workload, index: int, output) -> bool:
+    return torch.allclose(output, workload.expected[index], atol=1e-5, rtol=1e-4)
+
+
+# -- points -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Timing:
+    warmup_s: float
+    duration_s: float
+
+
+def point(system: str, transport: str, config: str, workload: Workload, concurrency: int,
+          result: dict, **extra) -> dict:
+    row = {"system": system, "transport": transport, "config": config,
+           "workload": workload.name, "concurrency": concurrency, **result, **extra}
+    print(f"  {workload.name} @{concurrency:<3d} {system:12s} {config:22s} "
+          f"{row.get('rps') or 0:9.1f} req/s  p50 {fmt_ms(row.get('p50_ms'))}  "
+          f"p99 {fmt_ms(row.get('p99_ms'))}  errors {row.get('errors')}", flush=True)
+    if row.get("first_error"):
+        print(f"      first error: {row['first_error']}", flush=True)
+    return row
+
+
+def fmt_ms(value) -> str:
+    return f"{value:8.2f}ms" if value is not None else "       -  "
+
+
+# -- in-process alternatives ------------------------------------------------------------------
+
+
+def bench_inprocess(workloads: dict[str, Workload], levels: list[int], timing: Timing) -> list[dict]:
+    """The background article's schemes, with torch on every core (what one process gets)."""
+    rows = []
+    torch.set_num_threads(os.cpu_count() or 1)
+    threads = torch.get_num_threads()
+    try:
+        for workload in workloads.values():
+            if not workload.batchable:
+                continue  # an in-process identity moves no bytes: nothing to compare
+            for concurrency in levels:
+                for scheme, call, stop in (locked(workload), queued(workload)):
+                    window = Window(timing.warmup_s, timing.duration_s)
+                    result = run_threads(call, concurrency, window, SAMPLE_INPUTS,
+                                         lambda i, y, w=workload: matches(w, i, y))
+                    stop()
+                    rows.append(point("in-process", "threads", f"{scheme}, {threads} threads",
+                                      workload, concurrency, result))
+    finally:
+        torch.set_num_threads(1)
+    return rows
+
+
+def locked(workload: Workload):
+    lock = threading.Lock()
+
+    def call(index: int):
+        with lock, torch.inference_mode():
+            return workload.model(workload.inputs[index])
+
+    return "lock", call, lambda: None
+
+
+def queued(workload: Workload):
+    inbox: queue.Queue = queue.Queue()
+
+    def serve() -> None:
+        with torch.inference_mode():
+            while (item := inbox.get()) is not None:
+                index, future = item
+                future.set_result(workload.model(workload.inputs[index]))
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+
+    def call(index: int):
+        future: Future = Future()
+        inbox.put((index, future))
+        return future.result()
+
+    def stop() -> None:
+        inbox.put(None)
+        worker.join()
+
+    return "queue, 1 worker", call, stop
+
+
+# -- modelwarden ------------------------------------------------------------------------------
+
+
+def batching_supported() -> bool:
+    from modelwarden.shared.config import ModelConfig
+
+    return "batching" in ModelConfig.model_fields
+
+
+def mw_configs() -> list[tuple[str, dict | None]]:
+    """(label, [models.batching] table or None)."""
+    return [("batching off", None),
+            ("batch 16, delay 0us", {"max_size": BATCH_MAX, "max_delay_us": 0}),
+            ("batch 16, delay 1000us", {"max_size": BATCH_MAX, "max_delay_us": 1000})]
+
+
+def mw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict | None) -> str:
+    lines = ["[daemon]", f'runtime_dir = "{runtime}"', "heartbeat_interval = 1.0",
+             'log_level = "WARNING"', "allow_oversubscription = true", ""]
+    models = [(workload.name.lower(), workload, 2) for workload in workloads.values()]
+    if batching is None and "W2" in workloads:
+        models.append(("w2_one", workloads["W2"], 1))
+    for name, workload, workers in models:
+        kwargs = ", ".join(f"{key} = {value}" for key, value in workload.kwargs.items())
+        lines += ["[[models]]", f'name = "{name}"',
+                  f'source = "python:bench.models:make_{workload.kind}"',
+                  f"kwargs = {{ {kwargs} }}", f"workers = {workers}", "threads = 1",
+                  "cores_per_worker = 1", "warmup = 0", "max_queue = 4096", "[models.probe]",
+                  "interval = 0.0"]
+        if batching is not None:
+            lines += ["[models.batching]"] + [f"{key} = {value}" for key, value in batching.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def start_daemon(workdir: Path, label: str, text: str, models: dict[str, Workload]):
+    from modelwarden.shared.client import Client
+
+    slug = label.replace(" ", "_").replace(",", "")
+    config = workdir / f"{slug}.toml"
+    config.write_text(text)
+    log = open(workdir / f"{slug}.log", "wb")
+    daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
+                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"ipc://{workdir}/run/frontend.sock"
+    deadline = time.monotonic() + 120
+    with Client(endpoint, timeout=2) as client:
+        for name, workload in models.items():
+            while True:
+                try:
+                    client.infer(name, workload.inputs[0], timeout=5)
+                    break
+                except Exception as exc:
+                    if time.monotonic() > deadline or daemon.poll() is not None:
+                        stop_process(daemon)
+                        tail = (workdir / f"{slug}.log").read_text(errors="replace")[-2000:]
+                        raise RuntimeError(f"the daemon ({label}) did not serve {name}: {exc!r}\n{tail}")
+    return daemon, endpoint
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def bench_modelwarden(workdir: Path, workloads: dict[str, Workload], levels: list[int],
+                      timing: Timing, notes: list[str]) -> list[dict]:
+    rows = []
+    configs = mw_configs()
+    if not batching_supported():
+        notes.append("modelwarden batching on: skipped, the installed modelwarden has no "
+                     "[models.batching] (ModelConfig.batching)")
+        print(f"note: {notes[-1]}", flush=True)
+        configs = configs[:1]
+    for label, batching in configs:
+        models = {workload.name.lower(): workload for workload in workloads.values()}
+        if batching is None and "W2" in workloads:
+            models["w2_one"] = workloads["W2"]
+        daemon, endpoint = start_daemon(workdir, label, mw_config_text(workdir / "run", workloads,
+                                                                       batching), models)
+        try:
+            for name, workload in models.items():
+                one = name == "w2_one"
+                for concurrency in levels:
+                    result = mw_point(endpoint, name, workload, concurrency, timing, daemon.pid)
+                    rows.append(point("modelwarden", "ZeroMQ ipc", label + (", 1 worker" if one else ""),
+                                      workload, concurrency, result, workers=1 if one else 2,
+                                      batching=batching))
+        finally:
+            stop_process(daemon)
+    return rows
+
+
+def mw_point(endpoint: str, model: str, workload: Workload, concurrency: int, timing: Timing,
+             supervisor: int) -> dict:
+    from modelwarden import AsyncClient, Client
+
+    window = Window(timing.warmup_s, timing.duration_s, lambda: cpu_seconds(supervisor))
+
+    def check(index, output):
+        return matches(workload, index, output)
+
+    if concurrency == 1:
+        with Client(endpoint) as client:
+            result = run_threads(lambda i: client.infer(model, workload.inputs[i]), 1, window,
+                                 SAMPLE_INPUTS, check)
+    else:
+        async def load() -> dict:
+            async with AsyncClient(endpoint) as client:
+                return await run_async(lambda i: client.infer(model, workload.inputs[i]),
+                                       concurrency, window, SAMPLE_INPUTS, check)
+
+        result = asyncio.run(load())
+    answered = result["ok"] + result["errors"]
+    if len(window.probes) == 2 and answered:
+        result["supervisor_cpu_us"] = round((window.probes[1] - window.probes[0]) / answered * 1e6, 1)
+    return result
+
+
+# -- peers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    requirements: tuple[str, ...]
+    path: str  # the inference route
+    body: str  # "bytes", "json-b64" or "triton" (bench/peers/httpload.py)
+    transport: str
+    start_timeout_s: float = 120.0
+
+
+PEERS = {
+    "mosec": Peer("mosec", ("mosec==0.9.8",), "/inference", "bytes", "HTTP/1.1 (Rust)"),
+    "litserve": Peer("litserve", ("litserve==0.2.19",), "/predict", "json-b64",
+                     "HTTP/1.1 (uvicorn)"),
+    "ray": Peer("ray", ("ray[serve]==2.60.0",), "/", "bytes", "HTTP/1.1 (Ray proxy)", 240.0),
+    "pytriton": Peer("pytriton", ("nvidia-pytriton==0.7.0",), "/v2/models/bench/infer", "triton",
+                     "HTTP/1.1 (Triton)", 240.0),
+}
+PEER_COMMON = (TORCH, "numpy", "httpx==0.28.1")
+
+
+def peer_python(peer: Peer) -> Path:
+    return PEERS_DIR / peer.name / "bin" / "python"
+
+
+def install_peer(peer: Peer) -> str | None:
+    """Its own virtualenv with its pinned requirements; None, or why it could not be installed."""
+    venv = PEERS_DIR / peer.name
+    wanted = "\n".join(PEER_COMMON + peer.requirements)
+    stamp = venv / ".bench-requirements"
+    if stamp.exists() and stamp.read_text() == wanted:
+        return None
+    print(f"setting up {peer.name} in {venv} ...", flush=True)
+    started = time.monotonic()
+    try:
+        if not peer_python(peer).exists():
+            subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True,
+                           capture_output=True, timeout=300)
+        done = subprocess.run([str(peer_python(peer)), "-m", "pip", "install", "--quiet",
+                               "--disable-pip-version-check", *PEER_COMMON, *peer.requirements],
+                              capture_output=True, text=True, timeout=1200)
+    except (subprocess.SubprocessError, OSError) as exc:
+        return f"install failed: {exc}"
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+        return "install failed: " + (errors[-1] if errors else done.stderr.strip()[-300:])
+    stamp.write_text(wanted)
+    print(f"  installed in {time.monotonic() - started:.0f} s", flush=True)
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def write_peer_files(workdir: Path, workload: Workload) -> tuple[Path, Path]:
+    """The spec (architecture + state dict file) a peer loads, and the inputs its client sends."""
+    state = workdir / f"{workload.name}.state.pt"
+    torch.save(workload.model.state_dict(), state)
+    spec = workdir / f"{workload.name}.spec.json"
+    spec.write_text(json.dumps({"kind": workload.kind, "kwargs": workload.kwargs,
+                                "state": str(state), "input_shape": workload.input_shape}))
+    data = workdir / f"{workload.name}.inputs.pt"
+    torch.save({"inputs": workload.inputs, "expected": workload.expected, "atol": 1e-5,
+                "rtol": 1e-4}, data)
+    return spec, data
+
+
+def request_body(peer: Peer, x: torch.Tensor) -> tuple[bytes, str]:
+    raw = x.contiguous().numpy().tobytes()
+    if peer.body == "bytes":
+        return raw, "application/octet-stream"
+    if peer.body == "triton":  # readiness only needs the status: JSON tensors are fine
+        inputs = [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                   "data": x.flatten().tolist()}]
+        return json.dumps({"inputs": inputs}).encode(), "application/json"
+    return json.dumps({"b64": base64.b64encode(raw).decode()}).encode(), "application/json"
+
+
+def wait_ready(peer: Peer, process: subprocess.Popen, url: str, workload: Workload) -> None:
+    """Until one real inference answers 200: health endpoints can answer before the workers."""
+    body, content_type = request_body(peer, workload.inputs[0])
+    deadline = time.monotonic() + peer.start_timeout_s
+    while True:
+        try:
+            request = urllib.request.Request(url, data=body, headers={"content-type": content_type})
+            with urllib.request.urlopen(request, timeout=10) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if process.poll() is not None:
+            raise RuntimeError(f"{peer.name} exited with status {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{peer.name} did not answer within {peer.start_timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def start_peer(peer: Peer, workdir: Path, workload: Workload, spec: Path, batch: int):
+    port = free_port()
+    env = {**os.environ, "BENCH_SPEC": str(spec), "BENCH_MAX_BATCH": str(batch),
+           "BENCH_WAIT_MS": str(PEER_WAIT_MS), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "PYTHONPATH": str(ROOT / "bench" / "peers")}
+    log_path = workdir / f"{peer.name}-{workload.name}-{batch}.log"
+    log = open(log_path, "wb")
+    process = subprocess.Popen([str(peer_python(peer)), str(ROOT / "bench" / "peers" / f"{peer.name}_server.py"),
+                                "--port", str(port)], cwd=workdir, env=env, stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}{peer.path}"
+    try:
+        wait_ready(peer, process, url, workload)
+    except RuntimeError as exc:
+        stop_peer(process)
+        tail = log_path.read_text(errors="replace")[-1500:]
+        raise RuntimeError(f"{exc}\n{tail}") from None
+    return process, url
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid``: some peers start servers in sessions of their own."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_peer(process: subprocess.Popen) -> None:
+    """SIGTERM to the server (each script shuts its own pieces down), then SIGKILL to whatever
+    of its process tree is left."""
+    tree = descendants(process.pid)
+    process.terminate()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    for pid in tree:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def peer_point(peer: Peer, url: str, data: Path, concurrency: int, timing: Timing) -> dict:
+    done = subprocess.run([str(peer_python(peer)), str(ROOT / "bench" / "peers" / "httpload.py"),
+                           "--url", url, "--format", peer.body, "--data", str(data),
+                           "--concurrency", str(concurrency), "--warmup", str(timing.warmup_s),
+                           "--duration", str(timing.duration_s)],
+                          capture_output=True, text=True,
+                          timeout=timing.warmup_s + timing.duration_s + 120)
+    if done.returncode != 0:
+        return {"ok": 0, "errors": None, "rps": None, "p50_ms": None, "p99_ms": None,
+                "first_error": "load generator failed: " + done.stderr.strip()[-300:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_peer(peer: Peer, workdir: Path, workloads: dict[str, Workload], levels: list[int],
+               timing: Timing, notes: list[str]) -> list[dict]:
+    problem = install_peer(peer)
+    if problem is not None:
+        notes.append(f"{peer.name}: {problem}")
+        print(f"note: {notes[-1]}", flush=True)
+        return []
+    rows = []
+    for workload in workloads.values():
+        spec, data = write_peer_files(workdir, workload)
+        for batch in (1, BATCH_MAX) if workload.batchable else (1,):
+            config = "batching off" if batch == 1 else f"batch {batch}, wait {PEER_WAIT_MS}ms"
+            try:
+                process, url = start_peer(peer, workdir, workload, spec, batch)
+            except RuntimeError as exc:
+                notes.append(f"{peer.name} {workload.name} {config}: did not start: "
+                             f"{str(exc).splitlines()[0]}")
+                print(f"note: {notes[-1]}\n{exc}", flush=True)
+                continue
+            try:
+                for concurrency in levels:
+                    rows.append(point(peer.name, peer.transport, config, workload, concurrency,
+                                      peer_point(peer, url, data, concurrency, timing)))
+            finally:
+                stop_peer(process)
+    return rows
+
+
+# -- targets ----------------------------------------------------------------------------------
+
+
+def find(rows: list[dict], system: str, workload: str, concurrency: int, config=None) -> list[dict]:
+    return [row for row in rows if row["system"] == system and row["workload"] == workload
+            and row["concurrency"] == concurrency and row.get("rps")
+            and (config is None or config(row["config"]))]
+
+
+def best(rows: list[dict], key: str = "rps") -> dict | None:
+    if not rows:
+        return None
+    return max(rows, key=lambda row: row[key]) if key == "rps" else min(rows, key=lambda row: row[key])
+
+
+def peer_rows(rows, workload, concurrency, batching: bool | None = None) -> list[dict]:
+    found = []
+    for name in PEERS:
+        found += find(rows, name, workload, concurrency,
+                      None if batching is None else (lambda c: c.startswith("batch ") == batching))
+    return found
+
+
+def mw(rows, workload, concurrency, config: str) -> dict | None:
+    """modelwarden's row: config "off", "one" (1 worker) or "on" (the better batching config)."""
+    if config == "on":
+        return best(find(rows, "modelwarden", workload, concurrency,
+                         lambda c: c.startswith("batch ") and "1 worker" not in c))
+    label = "batching off, 1 worker" if config == "one" else "batching off"
+    return best(find(rows, "modelwarden", workload, concurrency, lambda c: c == label))
+
+
+def check(name: str, value: float | None, op: str, bound: float, how: str) -> dict:
+    met = None if value is None else (value >= bound if op == ">=" else value <= bound)
+    return {"target": name, "value": None if value is None else round(value, 3), "op": op,
+            "bound": round(bound, 3), "met": met, "how": how}
+
+
+def ratio(a: dict | None, b: dict | None, key: str = "rps") -> float | None:
+    if a is None or b is None or not a.get(key) or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+def describe(row: dict | None) -> str:
+    return f"{row['system']} {row['config']}" if row else "not measured"
+
+
+def targets(rows: list[dict], workloads: dict[str, Workload]) -> list[dict]:
+    report = []
+    if "W2" in workloads:
+        w2 = workloads["W2"]
+        on, peer = mw(rows, "W2", 64, "on"), best(peer_rows(rows, "W2", 64, True))
+        report.append(check("W2@64 batching on / best peer batching on", ratio(on, peer), ">=", 1.5,
+                            f"{describe(on)} vs {describe(peer)}"))
+        delay_ms = (on or {}).get("batching", {}).get("max_delay_us", 0) / 1000 if on else 0
+        bound = delay_ms + 2 * (w2.batch_p50_ms or 0) + 2
+        report.append(check("W2@64 batching on p99 (ms) <= max_delay + 2x batch compute + 2ms",
+                            on and on.get("p99_ms"), "<=", bound,
+                            f"{describe(on)}; batch of {BATCH_MAX} in-process {w2.batch_p50_ms} ms"))
+        off1 = mw(rows, "W2", 1, "off")
+        report.append(check("W2@1 p50 / in-process forward p50",
+                            off1 and off1["p50_ms"] / w2.forward_p50_ms, "<=", 1.25,
+                            f"in-process forward p50 {w2.forward_p50_ms} ms"))
+        report.append(check("W2@8 2 workers / 1 worker", ratio(mw(rows, "W2", 8, "off"),
+                                                              mw(rows, "W2", 8, "one")), ">=", 1.8,
+                            "batching off"))
+        lock = best(find(rows, "in-process", "W2", 8, lambda c: c.startswith("lock")))
+        report.append(check("W2@8 modelwarden / in-process shared model + lock",
+                            ratio(mw(rows, "W2", 8, "off"), lock), ">=", 1.0, "batching off"))
+    if "W1" in workloads:
+        report.append(check("W1@64 batching on / batching off",
+                            ratio(mw(rows, "W1", 64, "on"), mw(rows, "W1", 64, "off")), ">=", 2.5,
+                            describe(mw(rows, "W1", 64, "on"))))
+        ours, peer = mw(rows, "W1", 1, "off"), best(peer_rows(rows, "W1", 1), "p50_ms")
+        report.append(check("W1@1 p50 / best peer p50",
+                            ratio(ours, peer, "p50_ms"), "<=", 0.5, f"vs {describe(peer)}"))
+        for row in find(rows, "modelwarden", "W1", 64, lambda c: "1 worker" not in c):
+            report.append(check(f"W1@64 supervisor CPU us/request ({row['config']})",
+                                row.get("supervisor_cpu_us"), "<=", 60.0, "utime+stime / requests"))
+    if "W3" in workloads:
+        for concurrency in sorted({row["concurrency"] for row in rows if row["workload"] == "W3"}):
+            peer = best(peer_rows(rows, "W3", concurrency))
+            report.append(check(f"W3@{concurrency} modelwarden / best peer",
+                                ratio(mw(rows, "W3", concurrency, "off"), peer), ">=", 5.0,
+                                f"vs {describe(peer)}"))
+        report.append(check("W3 64 in flight / 8 in flight",
+                            ratio(mw(rows, "W3", 64, "off"), mw(rows, "W3", 8, "off")), ">=", 0.8,
+                            "modelwarden batching off"))
+    return report
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def print_table(rows: list[dict], workloads: dict[str, Workload]) -> None:
+    print()
+    for workload in workloads.values():
+        line = f"{workload.name}: {workload.title} {workload.kwargs or ''}".rstrip()
+        line += f"; in-process forward p50 {workload.forward_p50_ms} ms (1 thread)"
+        if workload.batch_p50_ms:
+            line += f", batch of {BATCH_MAX} {workload.batch_p50_ms} ms"
+        print(line)
+    header = (f"{'wl':3s} {'infl':>4s} {'system':12s} {'transport':18s} {'config':30s} "
+              f"{'req/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'err':>4s} {'sup us/req':>10s}")
+    print("\n" + header + "\n" + "-" * len(header))
+    order = {name: n for n, name in enumerate(["modelwarden", "in-process", *PEERS])}
+    for row in sorted(rows, key=lambda r: (r["workload"], r["concurrency"], order.get(r["system"], 99))):
+        cpu = row.get("supervisor_cpu_us")
+        print(f"{row['workload']:3s} {row['concurrency']:>4d} {row['system']:12s} "
+              f"{row['transport']:18s} {row['config']:30s} {row.get('rps') or 0:>9.1f} "
+              f"{cell(row.get('p50_ms'))} {cell(row.get('p99_ms'))} "
+              f"{row.get('errors') if row.get('errors') is not None else '-':>4} "
+              f"{cpu if cpu is not None else '':>10}")
+
+
+def cell(value) -> str:
+    return f"{value:8.2f}" if value is not None else f"{'-':>8s}"
+
+
+def print_targets(report: list[dict]) -> None:
+    print()
+    for row in report:
+        verdict = "----" if row["met"] is None else ("PASS" if row["met"] else "MISS")
+        value = "n/a" if row["value"] is None else f"{row['value']:.2f}"
+        print(f"{verdict} {row['target']:62s} = {value:>7s} (target {row['op']} {row['bound']}) "
+              f"[{row['how']}]")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="0.3 s warm-up + 1.2 s window per point (a smoke run)")
+    parser.add_argument("--only", default=",".join(SYSTEMS),
+                        help="comma-separated systems to run (default: all)")
+    parser.add_argument("--workloads", default="W1,W2,W3", help="comma-separated, of W1,W2,W3")
+    parser.add_argument("--concurrency", default="1,8,64", help="requests in flight per point")
+    parser.add_argument("--no-peers", action="store_true", help="no mosec, litserve, ray, pytriton")
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "serving.json"))
+    args = parser.parse_args(argv)
+    args.systems = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = set(args.systems) - set(SYSTEMS)
+    workloads = [name.strip().upper() for name in args.workloads.split(",") if name.strip()]
+    if unknown or not set(workloads) <= {"W1", "W2", "W3"}:
+        parser.error(f"unknown system or workload: {sorted(unknown) or workloads}")
+    if args.no_peers:
+        args.systems = [name for name in args.systems if name not in PEERS]
+    args.workload_names = workloads
+    args.levels = [int(level) for level in args.concurrency.split(",")]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    timing = Timing(0.3, 1.2) if args.quick else Timing(1.0, 4.0)
+    started = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="mwsrv-", dir="/tmp"))
+    notes: list[str] = []
+    rows: list[dict] = []
+    try:
+        workloads = make_workloads(args.workload_names)
+        if "modelwarden" in args.systems:
+            print("modelwarden (ZeroMQ ipc, 2 workers x 1 thread)", flush=True)
+            rows += bench_modelwarden(workdir, workloads, args.levels, timing, notes)
+        if "inprocess" in args.systems:
+            print("in-process alternatives", flush=True)
+            rows += bench_inprocess(workloads, args.levels, timing)
+        for name in args.systems:
+            if name in PEERS:
+                print(f"{name} ({PEERS[name].transport}, 2 workers x 1 thread)", flush=True)
+                rows += bench_peer(PEERS[name], workdir, workloads, args.levels, timing, notes)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print_table(rows, workloads)
+    report = targets(rows, workloads)
+    print_targets(report)
+    for note in notes:
+        print(f"note: {note}")
+    elapsed = round(time.monotonic() - started, 1)
+    print(f"\n{len(rows)} points in {elapsed} s")
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+        "timing": {"warmup_s": timing.warmup_s, "duration_s": timing.duration_s},
+        "workloads": {w.name: {"title": w.title, "kind": w.kind, "kwargs": w.kwargs,
+                               "input_shape": w.input_shape, "forward_p50_ms": w.forward_p50_ms,
+                               "batch_p50_ms": w.batch_p50_ms} for w in workloads.values()},
+        "peers": {name: {"requirements": list(PEER_COMMON + peer.requirements),
+                         "transport": peer.transport} for name, peer in PEERS.items()
+                  if name in args.systems},
+        "points": rows, "targets": report, "notes": notes, "elapsed_s": elapsed}, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The serving benchmark still runs: bench/serving.py in a quick smoke configuration (no peers,
+W1 only, 1 and 8 in flight) produces every point it promises, with answers and no errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.mark.slow
+def test_quick_serving_bench_measures_every_point(tmp_path):
+    out = tmp_path / "serving.json"
+    done = subprocess.run([sys.executable, "bench/serving.py", "--quick", "--no-peers",
+                           "--workloads", "W1", "--concurrency", "1,8", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    points = {(p["system"], p["config"], p["concurrency"]): p for p in result["points"]}
+    batching = not any("batching on: skipped" in note for note in result["notes"])
+    configs = ["batching off"] + (["batch 16, delay 0us", "batch 16, delay 1000us"] if batching else [])
+    expected = [("modelwarden", config, level) for config in configs for level in (1, 8)]
+    expected += [("in-process", f"{scheme}, {os.cpu_count()} threads", level)
+                 for scheme in ("lock", "queue, 1 worker") for level in (1, 8)]
+    assert sorted(points) == sorted(expected)
+    for key, row in points.items():
+        assert row["ok"] > 0 and row["errors"] == 0, (key, row)
+        assert row["checked"] > 0, (key, row)  # answers were compared with the in-process model
+    for level in (1, 8):
+        assert points[("modelwarden", "batching off", level)]["supervisor_cpu_us"] > 0
+    assert "W1@64 batching on / batching off" in [t["target"] for t in result["targets"]]
