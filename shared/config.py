@@ -97,6 +97,8 @@ class ProbeConfig(_Strict):
     latency_slack_ms: float = Field(default=100.0, ge=0)
     failures: int = Field(default=3, ge=1)
     timeout: float = Field(default=10.0, gt=0)
+    max_replacements: int = Field(default=3, ge=0, description=(
+        "replacements for failed probes in a row before the slot goes FATAL"))
 
 
 class BatchingConfig(_Strict):
@@ -118,6 +120,8 @@ class ModelConfig(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     source: str
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    version: str | None = Field(default=None, min_length=1, max_length=128, description=(
+        "default: a hash of the model file or factory module and the kwargs"))
     workers: int = Field(default=1, ge=1, le=1024)
     device: str | list[str] = "cpu"
     cores_per_worker: int | None = Field(default=None, ge=1)
@@ -144,6 +148,8 @@ class ModelConfig(_Strict):
     backoff_max: float = Field(default=30.0, ge=0)
     kill_grace: float = Field(default=5.0, ge=0)
     drain_timeout: float = Field(default=30.0, ge=0)
+    fatal_retry: float = Field(default=300.0, ge=0, description="a FATAL slot tries again after "
+                               "this many seconds; 0 = never")
     # recycling
     max_rss: int | None = None
     max_cuda_memory: int | None = None
@@ -549,6 +555,7 @@ class WorkerSpec:
     shm_threshold: int = 64 * 1024
     log_level: str = "INFO"
     log_format: str = "text"
+    version: str = ""  # the model's version (supervisor/versions.py); in every reply header
     # Fresh random bytes for every incarnation (supervisor.workerauth): the routing id cannot be
     # guessed and the secret proves the sender is the process we spawned. Both travel only in
     # this pickled spec, through multiprocessing's spawn pipe: never argv, never environment.

@@ -8,7 +8,8 @@ A **slot** (``SlotState``) is a place for one worker (fixed cores/device) that o
 incarnations. While it has a current worker, the slot's state *follows* that worker's
 (``SLOT_FOLLOWS``: booting -> STARTING, READY -> READY, DRAINING -> DRAINING, STOPPED -> STOPPED,
 DEAD -> DEAD). Between incarnations it is what the restart policy chose: STARTING again,
-BACKOFF (waiting out a delay), FATAL (given up on until ``modelwarden restart``) or STOPPED.
+BACKOFF (waiting out a delay), FATAL (given up on until ``modelwarden restart`` or the next
+``fatal_retry``) or STOPPED.
 Every edge a current worker can take maps onto a legal slot edge (a unit test checks it), so
 following never raises.
 """
@@ -35,7 +36,8 @@ class SlotState(str, enum.Enum):
     DRAINING = "DRAINING"  # its current worker drains (shutdown)
     DEAD = "DEAD"  # its current worker died; the restart policy decides what comes next
     BACKOFF = "BACKOFF"  # no worker: waiting out a delay before the next start
-    FATAL = "FATAL"  # no worker: too many failed starts; only a restart command revives it
+    FATAL = "FATAL"  # no worker: too many failed starts or probe replacements; waits for a
+    # restart command or its ``fatal_retry``
 
 
 W = WorkerState
@@ -59,7 +61,8 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
 
 SLOT_TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
     # STOPPED -> STARTING: first start, or a stopped slot restarted by a command
-    S.STOPPED: frozenset({S.STARTING}),
+    # STOPPED -> FATAL: its worker, given up on for failing probes, drained and left
+    S.STOPPED: frozenset({S.STARTING, S.FATAL}),
     # STARTING -> READY | DRAINING | DEAD: its booting worker did so
     S.STARTING: frozenset({S.READY, S.DRAINING, S.DEAD}),
     # READY -> STARTING: a replacement boots (the old worker serves on as `previous`)
@@ -71,7 +74,7 @@ SLOT_TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
     S.DEAD: frozenset({S.STARTING, S.BACKOFF, S.FATAL, S.STOPPED}),
     # BACKOFF -> STARTING: the delay passed
     S.BACKOFF: frozenset({S.STARTING, S.STOPPED}),
-    # FATAL -> STARTING: an operator asked for a restart
+    # FATAL -> STARTING: an operator asked for a restart, or fatal_retry came due
     S.FATAL: frozenset({S.STARTING, S.STOPPED}),
 }
 

@@ -31,9 +31,9 @@ import zmq
 
 from modelwarden.shared import __version__, protocol
 from modelwarden.shared.sockets import recv_parts, send_parts
-from modelwarden.shared.config import ModelConfig, Settings, WorkerSpec
+from modelwarden.shared.config import ConfigError, ModelConfig, Settings, WorkerSpec, load_settings
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
-                                         ProtocolError)
+                                         UNKNOWN_MODEL, ProtocolError)
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import accesslog, auth
 from modelwarden.supervisor.buffers import BufferRegistry
@@ -46,11 +46,13 @@ from modelwarden.supervisor.health import EXIT_MODEL_FATAL, daemon_health
 from modelwarden.supervisor.placement import SlotPlacement, plan
 from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
+from modelwarden.supervisor import reload
 from modelwarden.supervisor.router import Router
 from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
                                             claim_private_dir, claim_runtime_dir, restrict_socket)
 from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
 from modelwarden.supervisor.timers import Timers
+from modelwarden.supervisor.versions import VersionBook
 from modelwarden.supervisor.workerauth import BackendGate, new_credentials
 from modelwarden.worker import main as worker_main
 
@@ -74,10 +76,12 @@ class Arbiter:
         self.notifier = Notifier()
         self.service = ServiceReporter(self.notifier)
         self.exit_code = 0
+        self.versions = VersionBook(settings.base_dir, self._python_path())
         placements = placements or plan(settings)
         self.pools: dict[str, ModelPool] = {
             model.name: ModelPool(model, placements[model.name], self, self._judge_for(model))
             for model in settings.models}
+        self.leaving_pools: list[ModelPool] = []  # removed by a reload, draining
         self.pid = os.getpid()
         self.started_at = self.clock()
         self.stopping = False
@@ -104,8 +108,14 @@ class Arbiter:
         self.metrics_server = None
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
+        return ProbeJudge(model.probe, self._golden_file(model))
+
+    def _golden_file(self, model: ModelConfig):
         golden = model.probe.golden
-        return ProbeJudge(model.probe, load_golden(self.settings.resolve(golden)) if golden else None)
+        return load_golden(self.settings.resolve(golden)) if golden else None
+
+    def _python_path(self) -> list[str]:
+        return [os.getcwd()] + [str(self.settings.resolve(p)) for p in self.settings.daemon.python_path]
 
     # -- life -------------------------------------------------------------------------------
 
@@ -308,11 +318,11 @@ class Arbiter:
             if signum in STOP_SIGNALS:
                 self.request_stop(signal.Signals(signum).name)
             elif signum == signal.SIGHUP and not self.stopping:
-                if self.zap is not None:
-                    self.zap.reload()
-                logger.info("SIGHUP: rolling restart of every model")
-                self.service.reload_started(daemon_health(self.pools.values()))
-                self.restart(None)
+                logger.info("SIGHUP: reloading the configuration")
+                try:
+                    self.reload()
+                except ProtocolError:
+                    pass  # refused: logged, and the running configuration serves on
             elif signum in IGNORED_SIGNALS:
                 logger.info("%s ignored: it has no meaning to modelwarden", signal.Signals(signum).name)
 
@@ -429,7 +439,7 @@ class Arbiter:
         if not handle.alive:
             return  # declared dead (hung, timed out): whatever it says now is too late
         handle.last_seen = self.clock()
-        pool = self.pools[handle.spec.model.name]
+        pool = self._pool_of(handle)
         kind = header.get("type")
         if kind == protocol.RESULT:
             self.router.on_result(pool, handle, header, frames[2:])
@@ -451,13 +461,20 @@ class Arbiter:
         if handle.exitcode is not None or not multiprocessing.connection.wait([handle.sentinel], 0):
             return  # a stale event: this fd was reaped earlier in the pass and reused since
         dead = [handle] + [other for other in self._dead_now() if other is not handle]
+        owners = [self._pool_of(gone) for gone in dead]
         for gone in dead:
             self._reap(gone)
-        for gone in dead:
-            self.pools[gone.spec.model.name].mark_exited(gone)
-        for gone in dead:
-            self.pools[gone.spec.model.name].on_exit(gone)
+        for gone, pool in zip(dead, owners):
+            pool.mark_exited(gone)
+        for gone, pool in zip(dead, owners):
+            pool.on_exit(gone)
         self._report_health()
+
+    def _pool_of(self, handle: WorkerHandle) -> ModelPool:
+        pool = self.pools.get(handle.spec.model.name)
+        if self.leaving_pools and (pool is None or handle not in pool.handles()):
+            pool = next((p for p in self.leaving_pools if handle in p.handles()), pool)
+        return pool
 
     def _dead_now(self) -> list[WorkerHandle]:
         ready = multiprocessing.connection.wait(list(self._by_sentinel), timeout=0)
@@ -486,8 +503,10 @@ class Arbiter:
         self.timers.call_at(now + TICK, self._tick)  # first: a failure below must not stop ticks
         for pool in self.pools.values():
             pool.tick(now)
+            pool.roll_step()
             self.router.send_due_probes(pool, pool.ready())
             self.router.dispatch(pool)
+        self._tend_leaving(now)
         self.connections.tick()
         self.router.replies.sweep()
         self._report_health()
@@ -517,7 +536,7 @@ class Arbiter:
     def worker_spec(self, config: ModelConfig, slot: int, generation: int,
                     placement: SlotPlacement) -> WorkerSpec:
         daemon = self.settings.daemon
-        python_path = [os.getcwd()] + [str(self.settings.resolve(p)) for p in daemon.python_path]
+        python_path = self._python_path()
         identity, secret = new_credentials()
         return WorkerSpec(model=config, slot=slot, generation=generation, cores=placement.cores,
                           threads=placement.threads, device=placement.device,
@@ -525,7 +544,8 @@ class Arbiter:
                           base_dir=str(self.settings.base_dir), python_path=python_path,
                           heartbeat_interval=daemon.heartbeat_interval,
                           shm_threshold=daemon.shm_threshold, log_level=daemon.log_level,
-                          log_format=daemon.log_format, identity=identity, secret=secret)
+                          log_format=daemon.log_format, identity=identity, secret=secret,
+                          version=self.versions.of(config))
 
     def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:
         # A private SEQPACKET pair carries buffer descriptors to this worker (spawn duplicates the
@@ -547,7 +567,8 @@ class Arbiter:
         self._by_identity[spec.identity] = handle
         self._by_sentinel[process.sentinel] = handle
         self._on(process.sentinel, functools.partial(self._on_sentinel, handle))
-        logger.info("%s: spawned pid %d on %s", spec.worker_id, process.pid, spec.placement)
+        logger.info("%s: spawned pid %d on %s, version %s", spec.worker_id, process.pid,
+                    spec.placement, spec.version)
         return handle
 
     def send_stop(self, handle: WorkerHandle) -> None:
@@ -564,7 +585,8 @@ class Arbiter:
 
     def on_slot_fatal(self, pool: ModelPool) -> None:
         if pool.all_fatal():
-            self.router.fail_queue(pool, NO_WORKER, f"every worker of {pool.name!r} is FATAL")
+            self.router.fail_queue(pool, NO_WORKER,
+                                   f"every worker of {pool.name!r} is FATAL or stopped")
 
     def restart(self, target: str | None) -> list[str]:
         """Revive FATAL/stopped slots and replace live workers: every model, one model, or one
@@ -573,11 +595,108 @@ class Arbiter:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
         if target is None:
             return [name for pool in self.pools.values() for name in pool.restart()]
+        pool, slot = self._target(target)
+        return pool.restart(slot)
+
+    def stop_target(self, target: str) -> list[str]:
+        """Drain and stop one model's workers, or one worker slot, until a restart."""
+        if self.stopping:
+            raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+        pool, slot = self._target(target)
+        return pool.stop(slot)
+
+    def _target(self, target: str) -> tuple[ModelPool, int | None]:
         name, _, slot = target.partition("#")
         pool = self.pools.get(name)
         if pool is None or (slot and not (re.fullmatch(r"[0-9]{1,6}", slot) and int(slot) < len(pool.slots))):
             raise ProtocolError(BAD_REQUEST, f"no model or worker named {target!r}")
-        return pool.restart(int(slot) if slot else None)
+        return pool, int(slot) if slot else None
+
+    # -- reload and scale (supervisor/reload.py decides, the pools act) ---------------------
+
+    def reload(self) -> list[str]:
+        """Re-read the configuration file and apply what changed; refused as a whole (the
+        running configuration untouched) when the new one is invalid."""
+        if self.stopping:
+            raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+        try:
+            new = load_settings(self.settings.config_path)
+            placements = plan(new)
+            reload.check_daemon_unchanged(self.settings, new)
+        except ConfigError as exc:
+            logger.error("reload refused, the running configuration stays: %s", exc)
+            raise ProtocolError(BAD_REQUEST, f"config error: {exc}; the running configuration "
+                                "is unchanged") from None
+        if self.zap is not None:
+            self.zap.reload()
+        return self._apply(new, placements, "reload")
+
+    def scale(self, name: str, workers: int) -> list[str]:
+        """``workers`` slots for one model, until the next reload re-reads the file."""
+        if self.stopping:
+            raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+        pool = self.pools.get(name)
+        if pool is None:
+            raise ProtocolError(BAD_REQUEST, f"no model named {name!r}")
+        if pool.config.cores is not None or isinstance(pool.config.device, list):
+            raise ProtocolError(BAD_REQUEST, f"{name!r} lists its cores or devices worker by "
+                                "worker: change 'workers' with them in the file, then reload")
+        models = [model.model_copy(update={"workers": workers}) if model.name == name else model
+                  for model in self.settings.models]
+        new = self.settings.model_copy(update={"models": models})
+        try:
+            placements = plan(new)
+        except ConfigError as exc:
+            raise ProtocolError(BAD_REQUEST, f"cannot place {workers} worker(s): {exc}") from None
+        return self._apply(new, placements, "scale command")
+
+    def _apply(self, new: Settings, placements: dict, why: str) -> list[str]:
+        running = {name: [slot.placement for slot in pool.slots] for name, pool in self.pools.items()}
+        versions = {name: {handle.spec.version for handle in pool.handles()}
+                    for name, pool in self.pools.items()}
+        changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
+        self.settings = new
+        for name in changes.removed:
+            self.leaving_pools.append(self.pools[name])
+        for name, change in changes.kept.items():
+            pool = self.pools[name]
+            judge = (pool.judge if change.config.probe == pool.config.probe else
+                     pool.judge.reconfigured(change.config.probe, self._golden_file(change.config)))
+            pool.reconfigure(change.config, judge, change.roll, self.versions.of(change.config))
+            pool.scale(change.placements, f"{why}: workers {len(pool.slots)} -> "
+                       f"{len(change.placements)}")
+        added = {}
+        for config in changes.added:
+            for leaving in self.leaving_pools:
+                if leaving.name == config.name:  # it shares the new pool's queue: stop it now
+                    leaving.scale([], f"{why}: model {config.name} added again")
+            added[config.name] = ModelPool(config, placements[config.name], self,
+                                           self._judge_for(config))
+        self.pools = {model.name: self.pools.get(model.name) or added[model.name]
+                      for model in new.models}
+        for pool in added.values():
+            pool.start_all()
+        summary = changes.summary() or ["no change"]
+        for line in summary:
+            logger.info("%s: %s", why, line)
+        self.notifier.status(self._summary())
+        return summary
+
+    def _tend_leaving(self, now: float) -> None:
+        """Removed models: their workers serve what was queued for them, then drain and stop."""
+        for pool in list(self.leaving_pools):
+            pool.tick(now)
+            if pool.slots:
+                self.router.dispatch(pool)
+                queued = self.router.queued(pool)
+                if queued and not pool.ready_count():
+                    self.router.fail_queue(pool, UNKNOWN_MODEL, f"model {pool.name!r} was removed "
+                                           "by a reload before a worker could serve this")
+                if not self.router.queued(pool):
+                    pool.scale([], f"model {pool.name} removed by a reload")
+            elif not pool.handles():
+                self.leaving_pools.remove(pool)
+                logger.info("model %s: removed; its last worker has left", pool.name)
 
     # -- stopping ---------------------------------------------------------------------------
 

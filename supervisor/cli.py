@@ -54,11 +54,31 @@ def build_parser() -> argparse.ArgumentParser:
     restart.add_argument("--json", action="store_true", help="print the reply as JSON")
     restart.set_defaults(func=cmd_control, command="restart")
 
-    stop = commands.add_parser("stop", help="drain in-flight requests and stop the daemon")
+    stop = commands.add_parser(
+        "stop", help="drain in-flight requests and stop the daemon, or only a model's or a "
+                     "worker's workers (they stay STOPPED until a restart)")
     _add_config(stop)
     _add_control(stop)
+    stop.add_argument("target", nargs="?", help="a model name or a worker id (mlp#0); the whole "
+                                                "daemon if absent")
     stop.add_argument("--json", action="store_true", help="print the reply as JSON")
     stop.set_defaults(func=cmd_control, command="stop")
+
+    reload = commands.add_parser(
+        "reload", help="re-read the configuration file and apply what changed (as SIGHUP); "
+                       "exit 2 if it is invalid (the running configuration is kept)")
+    _add_config(reload)
+    _add_control(reload)
+    reload.add_argument("--json", action="store_true", help="print the reply as JSON")
+    reload.set_defaults(func=cmd_control, command="reload")
+
+    scale = commands.add_parser("scale", help="run N workers of a model (until the next reload)")
+    _add_config(scale)
+    _add_control(scale)
+    scale.add_argument("model", help="model name")
+    scale.add_argument("workers", type=int, metavar="N", help="number of workers")
+    scale.add_argument("--json", action="store_true", help="print the reply as JSON")
+    scale.set_defaults(func=cmd_control, command="scale")
 
     infer = commands.add_parser("infer", help="send one request: inputs from .npy/.npz files")
     _add_config(infer)
@@ -102,7 +122,8 @@ def _add_control(parser: argparse.ArgumentParser) -> None:
                         help="control endpoint, for read-only commands (default: from the "
                              "configuration)")
     parser.add_argument("--admin", metavar="ENDPOINT",
-                        help="admin endpoint, for commands that change the daemon: restart, stop "
+                        help="admin endpoint, for commands that change the daemon: restart, "
+                             "reload, scale, stop "
                              "(default: from the configuration; only the daemon's user and root "
                              "may reach it)")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds (default 5)")
@@ -191,6 +212,8 @@ def cmd_control(args) -> int:
     header = {"type": args.command}
     if getattr(args, "target", None):
         header["target"] = args.target
+    if args.command == "scale":
+        header.update(model=args.model, workers=args.workers)
     if getattr(args, "watch", None) is None:
         return _control_once(args, endpoint, header)
     return _watch(args, endpoint, header)
@@ -210,7 +233,8 @@ def _control_once(args, endpoint: str, header: dict) -> int:
     except Timeout:
         return _fail(f"no daemon answers at {endpoint}", EXIT_UNREACHABLE)
     except RemoteError as exc:
-        return _fail(str(exc), EXIT_RUNTIME)
+        exit_code = getattr(COMMANDS[args.command], "exit_code", None)
+        return _fail(str(exc), exit_code(exc) if exit_code else EXIT_RUNTIME)
     text, code = COMMANDS[args.command].render(reply, args.json)
     print(text, flush=True)
     return code

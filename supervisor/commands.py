@@ -10,7 +10,12 @@ mutating command gets BAD_REQUEST saying so: the request is well-formed but sent
 never be accepted, and no retry there helps.
   {"type": "status", "id": N}                      -> {"id", "ok", "status": {...}}       control
   {"type": "restart", "id": N, "target": "mlp"}    -> {"id", "ok", "restarted": [...]}    admin
+  {"type": "reload", "id": N}                      -> {"id", "ok", "changes": [...]}      admin
+  {"type": "scale", "id": N, "model": "mlp", "workers": 3} -> {"id", "ok", "changes": [...]} admin
   {"type": "stop", "id": N}                        -> {"id", "ok"}; drains and exits     admin
+  {"type": "stop", "id": N, "target": "mlp#1"}     -> {"id", "ok", "stopped": [...]}      admin
+A refused reload (the new file is invalid, or changes what needs a restart) is BAD_REQUEST with
+the one-line reason; the CLI exits 2 for it, as for a bad file at start.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from modelwarden.shared import __version__
 from modelwarden.shared.config import format_cores
+from modelwarden.shared.errors import RemoteError
 from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
 from modelwarden.shared.states import SlotState
 from modelwarden.supervisor.handle import read_rss
@@ -28,6 +34,8 @@ if TYPE_CHECKING:
     from modelwarden.supervisor.arbiter import Arbiter
 
 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 3
+EXIT_FAILED, EXIT_REFUSED = 1, 2
+MAX_WORKERS = 1024
 ADMIN_ONLY = ("{command!r} changes the daemon: it is only accepted on the admin socket {admin} "
               "(the daemon's user or root)")
 
@@ -71,23 +79,75 @@ class RestartCommand:
         return text, 0
 
 
+class ReloadCommand:
+    """Re-read the configuration file and apply what changed (supervisor/reload.py), as SIGHUP
+    does; an invalid file changes nothing and its error comes back (exit 2)."""
+
+    name = "reload"
+    mutating = True
+
+    @staticmethod
+    def execute(arbiter: "Arbiter", header: dict) -> dict:
+        return {"changes": arbiter.reload()}
+
+    @staticmethod
+    def render(reply: dict, as_json: bool) -> tuple[str, int]:
+        return (json.dumps(reply) if as_json else "\n".join(
+            f"reloaded: {line}" for line in reply["changes"])), 0
+
+    @staticmethod
+    def exit_code(error: RemoteError) -> int:
+        return EXIT_REFUSED if error.code == BAD_REQUEST else EXIT_FAILED
+
+
+class ScaleCommand:
+    """Run N workers of one model until the next reload re-reads the file."""
+
+    name = "scale"
+    mutating = True
+
+    @staticmethod
+    def execute(arbiter: "Arbiter", header: dict) -> dict:
+        model, workers = header.get("model"), header.get("workers")
+        if not isinstance(model, str):
+            raise ProtocolError(BAD_REQUEST, "'model' must be a model name")
+        if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
+            raise ProtocolError(BAD_REQUEST, f"'workers' must be an integer from 1 to {MAX_WORKERS}")
+        return {"changes": arbiter.scale(model, workers)}
+
+    render = ReloadCommand.render
+    exit_code = ReloadCommand.exit_code
+
+
 class StopCommand:
-    """Drain and exit, as SIGTERM does."""
+    """Without a target: drain and exit, as SIGTERM does. With one (a model, or a worker id):
+    drain and stop those workers, which stay STOPPED until a restart or reload."""
 
     name = "stop"
     mutating = True
 
     @staticmethod
     def execute(arbiter: "Arbiter", header: dict) -> dict:
+        target = header.get("target")
+        if target is not None:
+            if not isinstance(target, str):
+                raise ProtocolError(BAD_REQUEST, "'target' must be a model name or a worker id")
+            return {"stopped": arbiter.stop_target(target)}
         arbiter.request_stop("stop command")
         return {}
 
     @staticmethod
     def render(reply: dict, as_json: bool) -> tuple[str, int]:
-        return ("{}" if as_json else "stopping"), 0
+        if as_json:
+            return json.dumps(reply), 0
+        if "stopped" not in reply:
+            return "stopping", 0
+        names = reply["stopped"]
+        return ("stopping: " + ", ".join(names)) if names else "nothing to stop", 0
 
 
-COMMANDS = {command.name: command for command in (StatusCommand, RestartCommand, StopCommand)}
+COMMANDS = {command.name: command for command in (StatusCommand, RestartCommand, ReloadCommand,
+                                                  ScaleCommand, StopCommand)}
 
 
 def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
@@ -95,11 +155,16 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
     models, workers = [], []
     for pool in arbiter.pools.values():
         fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == SlotState.FATAL]
+        version = arbiter.versions.of(pool.config)
         models.append({"name": pool.name, "source": pool.config.source, "workers": len(pool.slots),
                        "ready": pool.ready_count(), "fatal_slots": fatal, "queued": arbiter.router.queued(pool),
-                       "golden": pool.judge.golden is not None,
+                       "version": version, "rolling": pool.rolling(),
+                       "golden": pool.judge.golden_of(version) is not None,
                        "batching": _batching_row(arbiter, pool)})
-        for slot in pool.slots:
+        for slot in (*pool.slots, *pool.leaving):
+            workers.extend(_slot_rows(pool, slot, now))
+    for pool in arbiter.leaving_pools:  # removed by a reload, still draining
+        for slot in (*pool.slots, *pool.leaving):
             workers.extend(_slot_rows(pool, slot, now))
     return {"daemon": {"pid": arbiter.pid, "version": __version__,
                        "uptime_s": round(now - arbiter.started_at, 3),
@@ -137,8 +202,10 @@ def _empty_row(slot, now: float) -> dict:
     return {"state": slot.state.value, "pid": None, "generation": slot.generation,
             "interop_threads": None, "uptime_s": None, "ready_s": None, "requests": 0, "errors": 0,
             "inflight": 0, "rss_bytes": None, "rss_trend_bytes_per_s": None, "cuda_bytes": None,
-            "latency_p50_us": None, "retiring": None, "probe": None,
-            "backoff_s": round(slot.backoff_until - now, 3) if slot.backoff_until else None}
+            "latency_p50_us": None, "retiring": None, "probe": None, "version": None,
+            "backoff_s": round(slot.backoff_until - now, 3) if slot.backoff_until else None,
+            "retry_in_s": round(slot.retry_at - now, 3) if slot.retry_at else None,
+            "held": slot.held}
 
 
 def _handle_row(handle, now: float) -> dict:
@@ -157,6 +224,7 @@ def _handle_row(handle, now: float) -> dict:
         "rss_trend_bytes_per_s": handle.rss_trend(),
         "cuda_bytes": handle.cuda_bytes, "latency_p50_us": handle.latency_p50_us(),
         "retiring": handle.retiring, "error": handle.failure, "backoff_s": None,
+        "retry_in_s": None, "version": handle.spec.version,
         "probe": {"last_at": probe.last_at, "ok": probe.last_ok, "reason": probe.last_reason,
                   "consecutive_failures": probe.consecutive_failures, "drift": probe.drift,
                   "latency_us": probe.latency_us, "baseline_us": probe.baseline_us},
@@ -177,8 +245,10 @@ def status_table(status: dict) -> str:
              f"  frontend {' '.join(daemon['endpoints']['frontend'])}"]
     for model in status["models"]:
         fatal = f"  FATAL: {', '.join(model['fatal_slots'])}" if model["fatal_slots"] else ""
-        lines.append(f"model {model['name']}: {model['ready']}/{model['workers']} ready, "
-                     f"{model['queued']} queued{_batching_text(model.get('batching'))}{fatal}")
+        rolling = ", rolling" if model.get("rolling") else ""
+        lines.append(f"model {model['name']} (version {model.get('version')}): {model['ready']}/"
+                     f"{model['workers']} ready, {model['queued']} queued{rolling}"
+                     f"{_batching_text(model.get('batching'))}{fatal}")
     header = ("ID", "MODEL", "STATE", "PID", "PLACEMENT", "THR", "UPTIME", "REQS", "ERRS",
               "RESTARTS", "P50", "RSS", "PROBE")
     rows = [header] + [_table_row(worker) for worker in status["workers"]]
@@ -188,7 +258,9 @@ def status_table(status: dict) -> str:
     for worker in status["workers"]:
         if worker.get("error") or (worker["state"] != "READY" and worker.get("last_exit")):
             error = f"; {worker['error']}" if worker.get("error") else ""
-            lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}{error}")
+            retry = (f"; next try in {_duration(worker['retry_in_s'])}"
+                     if worker.get("retry_in_s") is not None else "")
+            lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}{error}{retry}")
     return "\n".join(lines)
 
 

@@ -13,8 +13,24 @@ between incarnations (shared/states.py describes both machines).
 Restart policy on an exit of ``current``:
   * a failed start -- never READY, up less than ``start_seconds``, or an exit code saying the
     model cannot load -- counts; the next start waits ``backoff_initial * 2**(n-1)`` (capped);
-  * after ``max_start_failures`` failed starts in a row the slot is FATAL until a restart command;
+  * after ``max_start_failures`` failed starts in a row the slot is FATAL;
   * any other exit (a crash after a good start) restarts at once and resets the count.
+
+Probes: a worker failing ``probe.failures`` probes in a row is replaced; after
+``probe.max_replacements`` such replacements with no worker passing ``probe.failures`` probes in a
+row in between, the slot gives up instead: its worker drains and the slot goes FATAL (never an
+endless loop of replacements while status says READY).
+
+FATAL is not for ever: after ``fatal_retry`` seconds (0 = never) the slot tries once more, the
+way Kubernetes' CrashLoopBackOff does, so a host recovers by itself from a transient fault; one
+more failure (a failed start, or a streak of failed probes) makes it FATAL again for another
+``fatal_retry``. A restart command revives it at once, with its counts reset.
+
+Changes to the pool's shape (supervisor/reload.py drives them): ``scale`` adds slots (started at
+once) or stops the last ones; ``stop_slot`` drains a slot's workers and keeps it STOPPED
+(``held``) until a restart; ``reconfigure`` takes a new configuration, and the slots whose
+workers it changes are rolled one at a time by ``roll_step`` (replace before retire). Stopped
+slots that left the pool (scaled down) stay in ``leaving`` until their workers are gone.
 """
 
 from __future__ import annotations
@@ -88,6 +104,7 @@ class ModelPool:
         self.judge = judge
         self.slots = [Slot(index, placement, config.name)
                       for index, placement in enumerate(placements)]
+        self.leaving: list[Slot] = []  # scaled down: draining, no longer counted or routed to
         self._next_rss_sample = 0.0
 
     @property
@@ -97,7 +114,7 @@ class ModelPool:
     # -- views ------------------------------------------------------------------------------
 
     def handles(self) -> list[WorkerHandle]:
-        return [handle for slot in self.slots for handle in slot.handles()]
+        return [handle for slot in (*self.slots, *self.leaving) for handle in slot.handles()]
 
     def ready(self) -> list[WorkerHandle]:
         return [handle for handle in self.handles() if handle.state == S.READY]
@@ -118,7 +135,9 @@ class ModelPool:
         return best
 
     def all_fatal(self) -> bool:
-        return all(slot.state == SlotState.FATAL and not slot.handles() for slot in self.slots)
+        """No slot serves or will start a worker by itself soon: each is FATAL or stopped."""
+        return all(not slot.handles() and (slot.state == SlotState.FATAL or slot.held)
+                   for slot in self.slots)
 
     def ready_count(self) -> int:
         """Slots serving now; a slot whose old worker serves while its replacement boots counts."""
@@ -153,7 +172,13 @@ class ModelPool:
         return handle
 
     def slot_of(self, handle: WorkerHandle) -> Slot:
-        return self.slots[handle.spec.slot]
+        index = handle.spec.slot
+        if index < len(self.slots) and handle in (self.slots[index].current, self.slots[index].previous):
+            return self.slots[index]
+        for slot in self.leaving:  # a scaled-down slot; its index may be in use again
+            if handle in (slot.current, slot.previous):
+                return slot
+        return self.slots[index]
 
     def on_worker_state(self, handle: WorkerHandle, state: str, info: dict) -> None:
         """A worker reported LOADING/WARMING/READY."""
@@ -239,6 +264,7 @@ class ModelPool:
         slot = self.slot_of(handle)
         if handle is slot.previous:
             slot.previous = None
+            self._forget_if_gone(slot)
             self.host.on_slot_fatal(self)  # its replacement may have gone FATAL meanwhile
             return
         if handle is not slot.current:
@@ -247,10 +273,14 @@ class ModelPool:
         slot.last_exit = cause
         slot.failure = handle.failure or slot.failure
         # The slot followed its worker to DEAD or STOPPED when the exit was marked.
-        if handle.state == S.STOPPED or self.host.stopping:
-            slot.set_state(SlotState.STOPPED, "stopped")
-            return
-        self._restart(slot, handle, cause)
+        if slot.fatal_on_exit is not None:
+            self._go_fatal(slot, slot.fatal_on_exit)
+        elif handle.state == S.STOPPED or self.host.stopping or slot.held:
+            slot.set_state(SlotState.STOPPED, slot.held or "stopped")
+            self._forget_if_gone(slot)
+            self.host.on_slot_fatal(self)  # a stopped model answers what waits for it
+        else:
+            self._restart(slot, handle, cause)
 
     def _restart(self, slot: Slot, handle: WorkerHandle, cause: str) -> None:
         now = self.host.clock()
@@ -265,9 +295,8 @@ class ModelPool:
         slot.restarts += 1
         slot.causes.append((time.time(), cause))
         if slot.start_failures >= self.config.max_start_failures:
-            slot.set_state(SlotState.FATAL, f"{slot.start_failures} failed starts in a row, "
+            self._go_fatal(slot, f"{slot.start_failures} failed starts in a row, "
                            f"last: {cause}{'; ' + slot.failure if slot.failure else ''}")
-            self.host.on_slot_fatal(self)
             return
         if not slot.start_failures:
             self.spawn(slot)
@@ -277,6 +306,30 @@ class ModelPool:
         slot.set_state(SlotState.BACKOFF, f"failed start {slot.start_failures}, retry in {delay:.1f}s")
         slot.backoff_until = now + delay
         slot.backoff_timer = self.host.timers.call_at(now + delay, self.spawn, slot)
+
+    def _go_fatal(self, slot: Slot, reason: str) -> None:
+        slot.fatal_on_exit = None
+        retry = self.config.fatal_retry
+        slot.set_state(SlotState.FATAL, reason + (f"; next try in {retry:.0f}s" if retry else ""))
+        if retry and not self.host.stopping:
+            slot.retry_at = self.host.clock() + retry
+            slot.retry_timer = self.host.timers.call_at(slot.retry_at, self._retry_fatal, slot)
+        self.host.on_slot_fatal(self)
+
+    def _retry_fatal(self, slot: Slot) -> None:
+        """``fatal_retry`` passed: one more try. One more failure makes it FATAL again."""
+        slot.retry_timer = slot.retry_at = None
+        if slot.state != SlotState.FATAL or slot.handles() or slot.held or slot not in self.slots:
+            return
+        logger.warning("slot %s: FATAL for %.0fs; trying again (fatal_retry)", slot.name,
+                       self.config.fatal_retry)
+        slot.start_failures = self.config.max_start_failures - 1
+        slot.probe_replacements = self.config.probe.max_replacements
+        self.spawn(slot)
+
+    def _cancel_retry(self, slot: Slot) -> None:
+        self.host.timers.cancel(slot.retry_timer)
+        slot.retry_timer = slot.retry_at = None
 
     # -- replacement ------------------------------------------------------------------------
 
@@ -289,6 +342,7 @@ class ModelPool:
         logger.warning("%s pid %s: replacing (%s)", handle.worker_id, handle.pid, reason)
         handle.retiring = reason
         slot.previous, slot.current = handle, None
+        slot.probe_passes = 0
         slot.causes.append((time.time(), f"replaced: {reason}"))
         slot.restarts += 1
         self.spawn(slot)
@@ -299,9 +353,11 @@ class ModelPool:
         retire). ``only`` limits it to one slot."""
         touched = []
         for slot in self.slots if only is None else [self.slots[only]]:
+            slot.probe_replacements = 0
             if slot.current is None:
+                self._cancel_retry(slot)
                 slot.start_failures = 0
-                slot.failure = None
+                slot.failure = slot.held = slot.fatal_on_exit = None
                 self.spawn(slot)
                 touched.append(f"{self.name}#{slot.index}")
             elif slot.current.state == S.READY and self.replace(slot.current, "restart command"):
@@ -346,7 +402,7 @@ class ModelPool:
             # `failures` count: an unanswered probe means a stuck worker. Replace it now, or at
             # the first tick the slot can take a replacement (its previous worker may still be
             # draining).
-            self.replace(handle, f"probe unanswered for {timeout}s")
+            self._replace_for_probes(handle, f"probe unanswered for {timeout}s")
 
     def _check_memory(self, handle: WorkerHandle, now: float) -> None:
         rss = handle.sample_rss(now)
@@ -371,12 +427,117 @@ class ModelPool:
         if verdict.drift is not None:
             probe.drift = verdict.drift
         probe.due_at = self.host.clock() + self.config.probe.interval
+        slot = self.slot_of(handle)
         if verdict.ok:
             probe.consecutive_failures = 0
+            if handle is slot.current:
+                slot.probe_passes += 1
+                if slot.probe_passes >= self.config.probe.failures:
+                    slot.probe_replacements = 0  # a worker proved healthy: the streak is over
             return
         probe.consecutive_failures += 1
         probe.failures += 1
+        if handle is slot.current:
+            slot.probe_passes = 0
         logger.warning("%s pid %s: probe failed (%d in a row): %s", handle.worker_id, handle.pid,
                        probe.consecutive_failures, verdict.reason)
         if probe.consecutive_failures >= self.config.probe.failures:
-            self.replace(handle, f"{probe.consecutive_failures} failed probes: {verdict.reason}")
+            self._replace_for_probes(
+                handle, f"{probe.consecutive_failures} failed probes: {verdict.reason}")
+
+    def _replace_for_probes(self, handle: WorkerHandle, reason: str) -> None:
+        """Replace a worker failing its probes, or give its slot up once replacing has not
+        helped ``probe.max_replacements`` times: drain the worker, then FATAL."""
+        slot = self.slot_of(handle)
+        if handle is not slot.current or handle.retiring or self.host.stopping:
+            return
+        limit = self.config.probe.max_replacements
+        if slot.probe_replacements < limit:
+            if self.replace(handle, reason):
+                slot.probe_replacements += 1
+            return
+        verdict = (f"{reason}; gave up after {limit} replacement(s) for failed probes "
+                   f"(version {handle.spec.version or '?'})")
+        logger.critical("%s pid %s: %s", handle.worker_id, handle.pid, verdict)
+        handle.retiring = slot.fatal_on_exit = verdict
+        self._stop_handle(handle, verdict)
+
+    # -- shape: stop, scale, reconfigure, roll ---------------------------------------------
+
+    def _stop_handle(self, handle: WorkerHandle, reason: str) -> None:
+        if handle.state == S.READY:
+            self.drain(handle, reason)
+        elif handle.alive and handle.state != S.DRAINING:
+            self.terminate(handle, reason)  # still booting: it holds no request
+
+    def stop_slot(self, slot: Slot, reason: str) -> None:
+        """Drain the slot's workers and keep it STOPPED (no restart) until a restart command."""
+        slot.held = reason
+        self.host.timers.cancel(slot.backoff_timer)
+        slot.backoff_timer = slot.backoff_until = None
+        self._cancel_retry(slot)
+        for handle in slot.handles():
+            self._stop_handle(handle, reason)
+        if not slot.handles() and slot.state != SlotState.STOPPED:
+            slot.set_state(SlotState.STOPPED, reason)
+        self.host.on_slot_fatal(self)
+
+    def stop(self, only: int | None = None, reason: str = "stop command") -> list[str]:
+        """Operator stop of every slot or one: drained, then STOPPED until a restart."""
+        stopped = []
+        for slot in self.slots if only is None else [self.slots[only]]:
+            if slot.held is None:
+                self.stop_slot(slot, reason)
+                stopped.append(slot.name)
+        return stopped
+
+    def scale(self, placements: list[SlotPlacement], reason: str) -> None:
+        """As many slots as ``placements``: new ones start now, surplus ones stop (the last
+        first) and leave; a kept slot whose placement changed is rolled."""
+        count = len(placements)
+        for slot in self.slots[count:]:
+            self.stop_slot(slot, reason)
+            self.leaving.append(slot)
+            self._forget_if_gone(slot)
+        del self.slots[count:]
+        for slot, placement in zip(self.slots, placements):
+            if slot.placement != placement:
+                slot.placement = placement
+                slot.stale_through = slot.generation
+        for index in range(len(self.slots), count):
+            slot = Slot(index, placements[index], self.name)
+            self.slots.append(slot)
+            self.spawn(slot)
+
+    def reconfigure(self, config: ModelConfig, judge: ProbeJudge, roll: bool,
+                    version: str | None = None) -> None:
+        """A new configuration. With ``roll`` every worker runs a superseded one; else only the
+        workers whose version is not ``version`` do. Those are rolled (``roll_step``); for the
+        others it only changes the supervisor's policy, which applies now."""
+        self.config = config
+        self.judge = judge
+        for slot in self.slots:
+            current = slot.current
+            if roll or (version is not None and current is not None
+                        and current.spec.version != version):
+                slot.stale_through = slot.generation
+
+    def roll_step(self) -> None:
+        """Replace the next stale worker, one slot at a time: none while a replacement is under
+        way (or a replacement that cannot start keeps its predecessor serving: the roll stops
+        there rather than take every slot down with a bad version)."""
+        if self.host.stopping or any(slot.previous is not None for slot in self.slots):
+            return
+        for slot in self.slots:
+            if not slot.runs_stale():
+                continue
+            if slot.current.state == S.READY:
+                self.replace(slot.current, "reload: new configuration")
+            return  # one at a time; a stale worker still booting is replaced once READY
+
+    def rolling(self) -> bool:
+        return any(slot.runs_stale() or slot.previous is not None for slot in self.slots)
+
+    def _forget_if_gone(self, slot: Slot) -> None:
+        if slot in self.leaving and not slot.handles():
+            self.leaving.remove(slot)

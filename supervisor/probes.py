@@ -3,8 +3,10 @@
 Checks, in order: NaN/Inf; the optional value range; count, shape and dtype of the outputs;
 ``|out - golden| <= atol + rtol * |golden|`` everywhere; and latency within ``latency_factor``
 times the worker's own healthy baseline (and at least ``latency_slack_ms`` above it, so a busy
-2-core box does not flap). The golden output is a file, or the first healthy answer after
-warm-up. This module needs numpy only: the supervisor never imports torch.
+2-core box does not flap). The golden output is a file (``probe.golden``), or else the first
+healthy answer after warm-up *of each model version* (supervisor/versions.py): a worker of a new
+version is never judged against the output of the old one, and the first worker of the new
+version records its own. This module needs numpy only: the supervisor never imports torch.
 """
 
 from __future__ import annotations
@@ -55,41 +57,53 @@ def load_golden(path: Path) -> list[np.ndarray]:
     return [np.load(path, allow_pickle=False)]
 
 
+class Golden:
+    """One version's reference output (dtypes known only when recorded from a worker)."""
+
+    def __init__(self, arrays: list[np.ndarray], dtypes: list[str] | None = None) -> None:
+        self.arrays = arrays
+        self.dtypes = dtypes
+
+
 class ProbeJudge:
+    """``golden``: the configured file's arrays, which every version is held to; without one,
+    each version's golden is recorded from its first healthy answer (``recorded``)."""
+
     def __init__(self, config: ProbeConfig, golden: list[np.ndarray] | None = None) -> None:
         self.config = config
-        self.golden = golden
-        self.golden_dtypes: list[str] | None = None
+        self.file_golden = Golden(golden) if golden is not None else None
+        self.recorded: dict[str, Golden] = {}
+
+    def golden_of(self, version: str = "") -> Golden | None:
+        return self.file_golden or self.recorded.get(version)
+
+    def reconfigured(self, config: ProbeConfig, golden: list[np.ndarray] | None) -> "ProbeJudge":
+        """The judge under a reloaded probe configuration: recorded goldens stay with their
+        versions (a tolerance change does not make an output wrong)."""
+        judge = ProbeJudge(config, golden)
+        judge.recorded = self.recorded
+        return judge
 
     def judge(self, dtypes: list[str], outputs: list[np.ndarray], latency_us: int,
-              baseline_us: int | None) -> Verdict:
+              baseline_us: int | None, version: str = "") -> Verdict:
         problem = _nonfinite(outputs) or self._out_of_range(outputs)
         if problem:
             return Verdict(False, problem)
-        if self.golden is None:
-            self.golden = [np.array(array, copy=True) for array in outputs]
-            self.golden_dtypes = list(dtypes)
+        golden = self.golden_of(version)
+        if golden is None:
+            self.recorded[version] = Golden([np.array(array, copy=True) for array in outputs],
+                                            list(dtypes))
             return Verdict(True, "recorded as golden", 0.0)
-        problem = self._mismatch(dtypes, outputs)
+        problem = _mismatch(golden, dtypes, outputs)
         if problem:
             return Verdict(False, problem)
-        drift = self._drift(outputs)
+        drift = self._drift(golden.arrays, outputs)
         if drift is not None:
             return Verdict(False, f"drifted from golden by {drift:.3g}", drift)
         if baseline_us is not None and self._too_slow(latency_us, baseline_us):
             return Verdict(False, f"probe took {latency_us} us, baseline {baseline_us} us",
-                           self._max_abs(outputs))
-        return Verdict(True, "ok", self._max_abs(outputs))
-
-    def _mismatch(self, dtypes: list[str], outputs: list[np.ndarray]) -> str | None:
-        if len(outputs) != len(self.golden):
-            return f"{len(outputs)} outputs, golden has {len(self.golden)}"
-        for index, (array, golden) in enumerate(zip(outputs, self.golden)):
-            if array.shape != golden.shape:
-                return f"output {index}: shape {list(array.shape)}, golden {list(golden.shape)}"
-        if self.golden_dtypes is not None and dtypes != self.golden_dtypes:
-            return f"output dtypes {dtypes}, golden {self.golden_dtypes}"
-        return None
+                           _max_abs(golden.arrays, outputs))
+        return Verdict(True, "ok", _max_abs(golden.arrays, outputs))
 
     def _out_of_range(self, outputs: list[np.ndarray]) -> str | None:
         if self.config.range is None:
@@ -100,25 +114,37 @@ class ProbeJudge:
                 return f"output {index} leaves the range [{low}, {high}]"
         return None
 
-    def _drift(self, outputs: list[np.ndarray]) -> float | None:
+    def _drift(self, golden: list[np.ndarray], outputs: list[np.ndarray]) -> float | None:
         """The largest absolute difference, if any element is outside the tolerance."""
-        for array, golden in zip(outputs, self.golden):
-            a, g = _widen(array), _widen(golden)
+        for array, reference in zip(outputs, golden):
+            a, g = _widen(array), _widen(reference)
             if not np.all(np.abs(a - g) <= self.config.atol + self.config.rtol * np.abs(g)):
-                return self._max_abs(outputs)
+                return _max_abs(golden, outputs)
         return None
-
-    def _max_abs(self, outputs: list[np.ndarray]) -> float:
-        worst = 0.0
-        for array, golden in zip(outputs, self.golden):
-            if array.size:
-                worst = max(worst, float(np.abs(_widen(array) - _widen(golden)).max()))
-        return worst
 
     def _too_slow(self, latency_us: int, baseline_us: int) -> bool:
         limit = max(self.config.latency_factor * baseline_us,
                     baseline_us + self.config.latency_slack_ms * 1000)
         return latency_us > limit
+
+
+def _mismatch(golden: Golden, dtypes: list[str], outputs: list[np.ndarray]) -> str | None:
+    if len(outputs) != len(golden.arrays):
+        return f"{len(outputs)} outputs, golden has {len(golden.arrays)}"
+    for index, (array, reference) in enumerate(zip(outputs, golden.arrays)):
+        if array.shape != reference.shape:
+            return f"output {index}: shape {list(array.shape)}, golden {list(reference.shape)}"
+    if golden.dtypes is not None and dtypes != golden.dtypes:
+        return f"output dtypes {dtypes}, golden {golden.dtypes}"
+    return None
+
+
+def _max_abs(golden: list[np.ndarray], outputs: list[np.ndarray]) -> float:
+    worst = 0.0
+    for array, reference in zip(outputs, golden):
+        if array.size:
+            worst = max(worst, float(np.abs(_widen(array) - _widen(reference)).max()))
+    return worst
 
 
 def _widen(array: np.ndarray) -> np.ndarray:

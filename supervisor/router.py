@@ -338,7 +338,8 @@ class Router:
                 outputs = probe_arrays(reply.tensors, frames[1:])
                 record.latency_us = envelope.get("compute_us")
                 verdict = pool.judge.judge([desc.dtype for desc in reply.tensors], outputs,
-                                           record.latency_us or 0, record.baseline_us)
+                                           record.latency_us or 0, record.baseline_us,
+                                           handle.spec.version)
         except Exception as exc:  # a worker answering garbage fails its probe
             verdict = Verdict(False, f"probe answer unreadable: {exc}")
         pool.record_probe(handle, verdict)

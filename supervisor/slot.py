@@ -41,6 +41,13 @@ class Slot:
     causes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10))
     backoff_timer: Any = None
     backoff_until: float | None = None
+    retry_timer: Any = None  # a FATAL slot's next try on its own (``fatal_retry``)
+    retry_at: float | None = None
+    held: str | None = None  # stopped on purpose (stop command, scale down, removal): no restart
+    stale_through: int = 0  # incarnations up to this generation run a superseded configuration
+    probe_replacements: int = 0  # replacements for failed probes, since probes last passed
+    probe_passes: int = 0  # probes passed in a row by the current worker
+    fatal_on_exit: str | None = None  # given up on: FATAL once its worker has left
 
     @property
     def name(self) -> str:
@@ -62,6 +69,10 @@ class Slot:
         logger.log(level, "slot %s: %s -> %s%s", self.name, self.state.value, new.value,
                    f" ({reason})" if reason else "")
         self.state = new
+
+    def runs_stale(self) -> bool:
+        """Its current worker was spawned under a configuration a reload has since replaced."""
+        return self.current is not None and self.current.spec.generation <= self.stale_through
 
     def handles(self) -> list[WorkerHandle]:
         return [handle for handle in (self.current, self.previous) if handle is not None]

@@ -187,7 +187,8 @@ def test_spawn_does_nothing_while_stopping(host):
 
 
 def test_failed_starts_back_off_exponentially_then_go_fatal(host):
-    pool = make_pool(host, backoff_initial=1.0, backoff_max=5.0, max_start_failures=6)
+    pool = make_pool(host, backoff_initial=1.0, backoff_max=5.0, max_start_failures=6,
+                     fatal_retry=0)
     pool.start_all()
     slot = pool.slots[0]
     for failure, delay in enumerate([1.0, 2.0, 4.0, 5.0, 5.0], start=1):
@@ -210,7 +211,7 @@ def test_failed_starts_back_off_exponentially_then_go_fatal(host):
     assert pool.all_fatal()
     assert len(host.timers) == 0
     host.advance(10_000)
-    assert len(host.launched) == 6  # FATAL stays down
+    assert len(host.launched) == 6  # FATAL stays down with fatal_retry = 0
     assert slot.restarts == 6
 
 
@@ -811,3 +812,240 @@ def test_every_slot_state_is_reachable_from_stopped():
             seen.add(new)
             frontier.append(new)
     assert seen == set(SlotState)
+
+
+# -- FATAL heals by itself (fatal_retry) ----------------------------------------------------------
+
+
+def go_fatal(pool: ModelPool, host: FakeHost) -> None:
+    """Fail every start of slot 0 until it is FATAL, waiting out each backoff."""
+    slot = pool.slots[0]
+    while slot.state != SlotState.FATAL:
+        if slot.current is None:
+            host.advance(slot.backoff_until - host.now)
+        exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+
+
+def test_a_fatal_slot_tries_again_after_fatal_retry_and_heals(host):
+    pool = make_pool(host, fatal_retry=60.0, max_start_failures=3)
+    pool.start_all()
+    go_fatal(pool, host)
+    slot = pool.slots[0]
+    assert slot.retry_at == host.now + 60.0
+    launched = len(host.launched)
+    host.advance(59.9)
+    assert len(host.launched) == launched and slot.state == SlotState.FATAL
+    host.advance(0.1)
+    assert len(host.launched) == launched + 1 and slot.state == SlotState.STARTING
+    assert slot.retry_at is None
+    ready(pool, slot.current)  # the transient fault is gone: it serves again
+    host.advance(20.0)
+    assert pool.ready_count() == 1 and not pool.all_fatal()
+
+
+def test_a_retry_that_fails_again_is_fatal_at_once_and_waits_another_interval(host):
+    pool = make_pool(host, fatal_retry=60.0, max_start_failures=3)
+    pool.start_all()
+    go_fatal(pool, host)
+    slot = pool.slots[0]
+    for _ in range(3):  # a steady fault: one try per interval, no backoff ladder in between
+        launched = len(host.launched)
+        host.advance(60.0)
+        assert len(host.launched) == launched + 1
+        exit_with(pool, slot.current, EXIT_LOAD_ERROR)
+        assert slot.state == SlotState.FATAL and slot.retry_at == host.now + 60.0
+    assert len(host.launched) == 3 + 3
+
+
+def test_fatal_retry_zero_never_retries_and_restart_retries_at_once(host):
+    pool = make_pool(host, fatal_retry=0, max_start_failures=1)
+    pool.start_all()
+    exit_with(pool, host.launched[0], EXIT_LOAD_ERROR)
+    slot = pool.slots[0]
+    assert slot.state == SlotState.FATAL and slot.retry_at is None and len(host.timers) == 0
+    host.advance(100_000)
+    assert len(host.launched) == 1
+    assert pool.restart() == ["m#0"] and len(host.launched) == 2
+
+
+def test_a_restart_command_cancels_the_pending_fatal_retry(host):
+    pool = make_pool(host, fatal_retry=30.0, max_start_failures=1)
+    pool.start_all()
+    exit_with(pool, host.launched[0], EXIT_LOAD_ERROR)
+    assert pool.restart() == ["m#0"]
+    assert pool.slots[0].retry_at is None and pool.slots[0].start_failures == 0
+    host.advance(31.0)
+    assert len(host.launched) == 2  # the retry timer did not start a second worker
+
+
+# -- probes: at most max_replacements, then FATAL -------------------------------------------------
+
+
+def fail_probes(pool: ModelPool, handle: WorkerHandle) -> None:
+    for _ in range(pool.config.probe.failures):
+        pool.record_probe(handle, Verdict(False, "drifted from golden by 0.5", 0.5))
+
+
+def test_a_slot_failing_probes_is_replaced_max_replacements_times_then_fatal(host):
+    pool = make_pool(host, fatal_retry=0, probe={"max_replacements": 2})
+    pool.start_all()
+    slot = pool.slots[0]
+    for replacement in (1, 2):
+        ready(pool, slot.current)
+        pool.record_probe(slot.current, Verdict(True, "ok", 0.0))  # one pass is not health
+        fail_probes(pool, slot.current)
+        assert slot.probe_replacements == replacement and slot.previous is not None
+        ready(pool, slot.current)  # the replacement serves; its predecessor drains and leaves
+        exit_with(pool, slot.previous, EXIT_OK)
+    last = slot.current
+    fail_probes(pool, last)
+    assert len(host.launched) == 3  # no third replacement
+    assert last.state == S.DRAINING and last in host.stopped  # out of rotation at once
+    exit_with(pool, last, EXIT_OK)
+    assert slot.state == SlotState.FATAL and pool.all_fatal() and host.fatal[-1] is True
+    host.advance(10_000)
+    assert len(host.launched) == 3
+
+
+def test_a_worker_passing_failures_probes_in_a_row_resets_the_replacement_count(host):
+    pool = make_pool(host, probe={"max_replacements": 1})
+    pool.start_all()
+    slot = pool.slots[0]
+    ready(pool, slot.current)
+    fail_probes(pool, slot.current)
+    ready(pool, slot.current)
+    assert slot.probe_replacements == 1
+    for _ in range(pool.config.probe.failures):
+        pool.record_probe(slot.current, Verdict(True, "ok", 0.0))
+    assert slot.probe_replacements == 0
+    exit_with(pool, slot.previous, EXIT_OK)
+    fail_probes(pool, slot.current)  # a new streak may replace again
+    assert slot.previous is not None and slot.state != SlotState.FATAL
+
+
+def test_a_probe_fatal_slot_gets_one_streak_after_its_fatal_retry(host):
+    pool = make_pool(host, fatal_retry=60.0, probe={"max_replacements": 0})
+    pool.start_all()
+    slot = pool.slots[0]
+    ready(pool, slot.current)
+    fail_probes(pool, slot.current)
+    exit_with(pool, slot.current, EXIT_OK)
+    assert slot.state == SlotState.FATAL
+    host.advance(60.0)
+    ready(pool, slot.current)
+    fail_probes(pool, slot.current)
+    assert slot.current.state == S.DRAINING and slot.previous is None
+
+
+# -- shape: stop, scale, reconfigure, roll --------------------------------------------------------
+
+
+def test_stop_drains_a_slot_keeps_it_stopped_and_restart_brings_it_back(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    for handle in host.launched:
+        ready(pool, handle)
+    first = host.launched[0]
+    assert pool.stop(0) == ["m#0"]
+    assert first.state == S.DRAINING and not pool.all_fatal()
+    exit_with(pool, first, EXIT_OK)
+    assert pool.slots[0].state == SlotState.STOPPED and len(host.launched) == 2
+    host.advance(1000)
+    assert len(host.launched) == 2  # never restarted by itself
+    assert pool.stop() == ["m#1"]
+    exit_with(pool, host.launched[1], EXIT_OK)
+    assert pool.all_fatal() and host.fatal[-1] is True  # nobody will serve: the queue is answered
+    assert pool.restart() == ["m#0", "m#1"] and len(host.launched) == 4
+
+
+def test_a_stopped_slot_whose_worker_dies_draining_is_not_restarted(host):
+    pool = make_pool(host)
+    pool.start_all()
+    ready(pool, host.launched[0])
+    pool.stop()
+    exit_with(pool, host.launched[0], SIGKILLED)
+    assert pool.slots[0].state == SlotState.STOPPED and len(host.launched) == 1
+
+
+def test_scale_up_starts_new_slots_and_leaves_the_others_alone(host):
+    pool = make_pool(host, workers=1)
+    pool.start_all()
+    ready(pool, host.launched[0])
+    pool.scale([SlotPlacement([0], 1, "cpu"), SlotPlacement([1], 1, "cpu"),
+                SlotPlacement([2], 1, "cpu")], "scale")
+    assert [h.spec.slot for h in host.launched] == [0, 1, 2]
+    assert host.launched[0].state == S.READY and not host.launched[0].retiring
+    assert len(pool.slots) == 3 and pool.ready_count() == 1
+
+
+def test_scale_down_drains_the_last_slots_which_then_leave_the_pool(host):
+    pool = make_pool(host, workers=3)
+    pool.start_all()
+    for handle in host.launched:
+        ready(pool, handle)
+    doomed = host.launched[2]
+    doomed.inflight[7] = object()  # it holds a request: it drains, and stops only once idle
+    pool.scale([SlotPlacement([0], 1, "cpu"), SlotPlacement([1], 1, "cpu")], "scaled down")
+    assert len(pool.slots) == 2 and pool.ready_count() == 2
+    assert doomed.state == S.DRAINING and doomed not in host.stopped
+    assert pool.least_loaded() is not doomed and doomed in pool.handles()
+    assert pool.slot_of(doomed) in pool.leaving
+    doomed.inflight.clear()
+    pool.after_result(doomed)
+    assert doomed in host.stopped
+    exit_with(pool, doomed, EXIT_OK)
+    assert pool.leaving == [] and len(host.launched) == 3  # not restarted
+    pool.scale([SlotPlacement([0], 1, "cpu"), SlotPlacement([1], 1, "cpu"),
+                SlotPlacement([2], 1, "cpu")], "scale")
+    assert host.launched[-1].spec.slot == 2
+
+
+def test_a_reconfigured_pool_rolls_one_worker_at_a_time_replacing_before_retiring(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    old = list(host.launched)
+    for handle in old:
+        ready(pool, handle)
+    new_config = pool.config.model_copy(update={"kwargs": {"scale": 2}})
+    pool.reconfigure(new_config, pool.judge, roll=True)
+    assert pool.rolling()
+    pool.roll_step()
+    assert len(host.launched) == 3 and pool.slots[0].previous is old[0]
+    assert host.launched[2].spec.model is new_config
+    pool.roll_step()
+    assert len(host.launched) == 3  # slot 1 waits for slot 0's replacement
+    ready(pool, host.launched[2])
+    assert old[0].state == S.DRAINING and pool.ready_count() == 2
+    exit_with(pool, old[0], EXIT_OK)
+    pool.roll_step()
+    assert len(host.launched) == 4 and pool.slots[1].previous is old[1]
+    ready(pool, host.launched[3])
+    exit_with(pool, old[1], EXIT_OK)
+    pool.roll_step()
+    assert len(host.launched) == 4 and not pool.rolling()
+
+
+def test_a_policy_only_change_applies_without_restarting_anyone(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    for handle in host.launched:
+        ready(pool, handle)
+    pool.reconfigure(pool.config.model_copy(update={"max_inflight": 4}), pool.judge, roll=False)
+    pool.roll_step()
+    assert len(host.launched) == 2 and not pool.rolling()
+    assert pool.least_loaded().has_room(pool.config.max_inflight)
+
+
+def test_a_new_version_that_cannot_start_stops_the_roll_with_the_old_worker_serving(host):
+    pool = make_pool(host, workers=2, max_start_failures=1, fatal_retry=0)
+    pool.start_all()
+    old = list(host.launched)
+    for handle in old:
+        ready(pool, handle)
+    pool.reconfigure(pool.config.model_copy(update={"version": "bad"}), pool.judge, roll=True)
+    pool.roll_step()
+    exit_with(pool, host.launched[2], EXIT_LOAD_ERROR)
+    assert pool.slots[0].state == SlotState.FATAL and pool.slots[0].previous is old[0]
+    pool.roll_step()
+    assert len(host.launched) == 3  # the roll stopped at the first slot
+    assert pool.ready_count() == 2 and not pool.all_fatal()

@@ -26,8 +26,8 @@ def test_first_healthy_answer_is_recorded_as_golden():
     verdict = j.judge(["float32"], [out], latency_us=500, baseline_us=100)
     assert verdict.ok and verdict.reason == "recorded as golden" and verdict.drift == 0.0
     out[0] = 99.0  # the judge kept its own copy
-    assert j.golden[0].tolist() == [1.0, 2.0, 3.0]
-    assert j.golden_dtypes == ["float32"]
+    assert j.golden_of().arrays[0].tolist() == [1.0, 2.0, 3.0]
+    assert j.golden_of().dtypes == ["float32"]
     again = j.judge(["float32"], [f32(1.0, 2.0, 3.0)], latency_us=100, baseline_us=100)
     assert again.ok and again.reason == "ok" and again.drift == 0.0
 
@@ -36,7 +36,7 @@ def test_unhealthy_first_answer_is_not_recorded():
     j = judge()
     verdict = j.judge(["float32"], [f32(1.0, np.nan)], 10, None)
     assert not verdict.ok and "NaN or Inf" in verdict.reason
-    assert j.golden is None
+    assert j.golden_of() is None
     assert j.judge(["float32"], [f32(1.0, 2.0)], 10, None).reason == "recorded as golden"
 
 
@@ -92,7 +92,7 @@ def test_range_check():
 def test_range_check_applies_before_golden_is_recorded():
     j = judge(range=(-1.0, 1.0))
     assert not j.judge(["float32"], [f32(2.0)], 1, None).ok
-    assert j.golden is None
+    assert j.golden_of() is None
 
 
 def test_empty_outputs_pass_the_range_check():
@@ -251,3 +251,24 @@ def test_decode_refuses_a_malformed_probe_answer(descs, frames):
     with pytest.raises(ProtocolError) as info:
         decode_outputs(descs, frames)
     assert info.value.code == INTERNAL
+
+
+def test_each_version_records_its_own_golden_and_is_judged_by_it():
+    j = judge()
+    assert j.judge(["float32"], [f32(1.0, 2.0)], 1, None, version="v1").reason == "recorded as golden"
+    # Version 2 computes something else: it records its own golden, it does not fail against v1's.
+    assert j.judge(["float32"], [f32(2.0, 4.0)], 1, None, version="v2").reason == "recorded as golden"
+    assert j.judge(["float32"], [f32(2.0, 4.0)], 1, None, version="v2").ok
+    assert j.judge(["float32"], [f32(1.0, 2.0)], 1, None, version="v1").ok
+    assert not j.judge(["float32"], [f32(1.0, 2.0)], 1, None, version="v2").ok
+    assert sorted(j.recorded) == ["v1", "v2"]
+
+
+def test_a_golden_file_holds_every_version_and_a_reload_keeps_recorded_goldens():
+    j = ProbeJudge(ProbeConfig(), golden=[f32(1.0)])
+    assert not j.judge(["float32"], [f32(3.0)], 1, None, version="new").ok  # never recorded
+    plain = judge()
+    plain.judge(["float32"], [f32(1.0)], 1, None, version="v1")
+    looser = plain.reconfigured(ProbeConfig(atol=1.0), None)
+    assert looser.judge(["float32"], [f32(1.5)], 1, None, version="v1").ok
+    assert looser.golden_of("v1").arrays[0].tolist() == [1.0]

@@ -32,7 +32,8 @@ internal, so it carries no signature frame: one frame fewer per message on the h
     [{"type": "result", "rid": N, "ok": true, "compute_us": N, "batch": SIZE}, reply, payload...]
     [{"type": "result", "rid": N, "ok": false}, reply]
           one per request (a batch is answered member by member). ``reply`` is the client's
-          reply header, written here (protocol.py "Reply", with "worker" and without "timing"):
+          reply header, written here (protocol.py "Reply", with "worker" and "version", without
+          "timing"):
           the supervisor relays it as it is, appending only "timing" to the packed map.
           ``compute_us`` is the whole forward pass's time, ``batch`` its number of requests.
 """
@@ -280,7 +281,7 @@ class WorkerServer:
         only its own timing)."""
         descs, frames = self._encode(leaves, call.out, call.sources)
         reply = {"id": call.client_id, "ok": True, "outputs": tree, "tensors": descs,
-                 "worker": self.spec.worker_id}
+                 "worker": self.spec.worker_id, "version": self.spec.version}
         envelope = {"type": protocol.RESULT, "rid": call.rid, "ok": True,
                     "compute_us": compute_us, "batch": batch}
         send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply), *frames])
@@ -290,6 +291,7 @@ class WorkerServer:
         code, message = self._failure_of(rid, exc)
         reply = protocol.error_header(client_id, code, message[:MAX_MESSAGE_CHARS])
         reply["worker"] = self.spec.worker_id
+        reply["version"] = self.spec.version
         envelope = {"type": protocol.RESULT, "rid": rid, "ok": False}
         send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply)])
         self.served += 1
