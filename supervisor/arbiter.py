@@ -619,16 +619,16 @@ class Arbiter:
         running configuration untouched) when the new one is invalid."""
         if self.stopping:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+        if self.zap is not None:  # rotated client keys apply whatever the file says
+            self.zap.reload()
         try:
             new = load_settings(self.settings.config_path)
-            placements = plan(new)
+            placements = plan(new, keep=self._running_placements())
             reload.check_daemon_unchanged(self.settings, new)
         except ConfigError as exc:
             logger.error("reload refused, the running configuration stays: %s", exc)
             raise ProtocolError(BAD_REQUEST, f"config error: {exc}; the running configuration "
                                 "is unchanged") from None
-        if self.zap is not None:
-            self.zap.reload()
         return self._apply(new, placements, "reload")
 
     def scale(self, name: str, workers: int) -> list[str]:
@@ -645,13 +645,16 @@ class Arbiter:
                   for model in self.settings.models]
         new = self.settings.model_copy(update={"models": models})
         try:
-            placements = plan(new)
+            placements = plan(new, keep=self._running_placements())
         except ConfigError as exc:
             raise ProtocolError(BAD_REQUEST, f"cannot place {workers} worker(s): {exc}") from None
         return self._apply(new, placements, "scale command")
 
+    def _running_placements(self) -> dict[str, list[SlotPlacement]]:
+        return {name: [slot.placement for slot in pool.slots] for name, pool in self.pools.items()}
+
     def _apply(self, new: Settings, placements: dict, why: str) -> list[str]:
-        running = {name: [slot.placement for slot in pool.slots] for name, pool in self.pools.items()}
+        running = self._running_placements()
         versions = {name: {handle.spec.version for handle in pool.handles()}
                     for name, pool in self.pools.items()}
         changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)

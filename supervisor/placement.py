@@ -5,6 +5,10 @@ CPU workers get disjoint core sets carved in order from the cores this process m
 than it has cores; the threads of all CPU workers together may not exceed the available cores
 unless ``allow_oversubscription`` is set (then it is a warning, and core sets wrap around).
 GPU workers get cores too, for their host-side threads.
+
+On a reload (supervisor/reload.py) the running slots' placements are passed as ``keep``: a slot
+that still exists keeps its cores when they still fit (the same count, still available), and only
+new slots are carved from what is left, so adding or scaling one model does not move another.
 """
 
 from __future__ import annotations
@@ -30,25 +34,36 @@ def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def plan(settings: Settings, cores: list[int] | None = None) -> dict[str, list[SlotPlacement]]:
-    """Every model's slots, or ConfigError naming the key that cannot be satisfied."""
+def plan(settings: Settings, cores: list[int] | None = None,
+         keep: dict[str, list[SlotPlacement]] | None = None) -> dict[str, list[SlotPlacement]]:
+    """Every model's slots, or ConfigError naming the key that cannot be satisfied. ``keep``:
+    the placements running now, kept for the slots that still fit them."""
     cores = available_cores() if cores is None else cores
     oversubscribe = settings.daemon.allow_oversubscription
     used: dict[int, str] = {}  # core -> the first slot given it, for error messages
     load: collections.Counter = collections.Counter()  # core -> how many slots share it
+    kept = _kept(settings, keep or {}, cores)
+    for owner, slot_cores in kept.items():  # claimed first: new slots are carved around them
+        load.update(slot_cores)
+        for core in slot_cores:
+            used.setdefault(core, owner)
     placements: dict[str, list[SlotPlacement]] = {}
     total_threads = 0
     for index, model in enumerate(settings.models):
         key = f"models[{index}] (model {model.name!r})"
         slots = []
         for slot in range(model.workers):
+            owner = f"{model.name}#{slot}"
             if model.cores is not None:
                 slot_cores = _explicit(model.cores[slot], cores, f"{key}.cores[{slot}]")
+            elif owner in kept:
+                slot_cores = kept[owner]
             else:
                 slot_cores = _carve(model.cores_per_worker or 1, cores, load, oversubscribe,
                                     f"{key}.cores_per_worker")
-            _claim(slot_cores, used, f"{model.name}#{slot}", oversubscribe, f"{key}.cores[{slot}]")
-            load.update(slot_cores)
+            if owner not in kept:
+                _claim(slot_cores, used, owner, oversubscribe, f"{key}.cores[{slot}]")
+                load.update(slot_cores)
             threads = model.threads or len(slot_cores)
             if threads > len(slot_cores):
                 raise ConfigError(f"{key}.threads", f"{threads} threads on {len(slot_cores)} "
@@ -66,6 +81,20 @@ def plan(settings: Settings, cores: list[int] | None = None) -> dict[str, list[S
                               message + "; lower workers/threads or set allow_oversubscription = true")
         logger.warning("oversubscribed: %s", message)
     return placements
+
+
+def _kept(settings: Settings, keep: dict[str, list[SlotPlacement]],
+          cores: list[int]) -> dict[str, list[int]]:
+    """Worker id -> cores, for each running slot of a carved model that still fits its cores."""
+    kept = {}
+    available = set(cores)
+    for model in settings.models:
+        if model.cores is not None:
+            continue
+        for slot, placement in enumerate(keep.get(model.name, [])[:model.workers]):
+            if len(placement.cores) == (model.cores_per_worker or 1) and set(placement.cores) <= available:
+                kept[f"{model.name}#{slot}"] = list(placement.cores)
+    return kept
 
 
 def _explicit(wanted: list[int], cores: list[int], key: str) -> list[int]:

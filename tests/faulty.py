@@ -1,7 +1,7 @@
 """A model factory with injectable faults, for tests only (never in product code).
 
-``make_faulty(fault=..., after=N)``: a small deterministic model, y = x @ W + 1 over [N, 8]
-inputs, that misbehaves in one chosen way once it has served ``after`` calls *in this process*
+``make_faulty(fault=..., after=N)``: a small deterministic model, y = x @ (gain * W) + 1 over
+[N, 8] inputs (``gain`` 1 unless given: new weights for a new version), that misbehaves in one chosen way once it has served ``after`` calls *in this process*
 (so a retried request on a fresh worker succeeds). With ``once=PATH`` only the first process to
 create the file PATH misbehaves (its siblings and successors behave), so a retried request never
 meets a second armed worker: a test of the retry then cannot turn into a test of POISON by chance.
@@ -19,7 +19,8 @@ Faults:
   drift       perturbs its weights by ``scale`` (outputs drift from golden)
   flaky_drift perturbed outputs on every other call
   nan         returns NaN
-  load_error  raises while loading (the worker exits with code 4)
+  load_error  raises while loading (the worker exits with code 4); with ``while_exists=PATH``
+              only while the file PATH exists (a transient fault a test clears)
   load_hang   never returns from loading (the worker never reports READY)
 
 ``load_delay=S`` makes loading take S seconds more, whatever the fault (a big model's load).
@@ -50,7 +51,8 @@ def reference(x: torch.Tensor) -> torch.Tensor:
 
 class Faulty(nn.Module):
     def __init__(self, fault: str, after: int, only_batch: int | None, leak_mb: int,
-                 scale: float, delay: float = 0.0, once: str | None = None) -> None:
+                 scale: float, delay: float = 0.0, once: str | None = None,
+                 gain: float = 1.0) -> None:
         super().__init__()
         self.once = once
         self.claimed: bool | None = None  # None: the token was not tried yet
@@ -62,7 +64,7 @@ class Faulty(nn.Module):
         self.scale = scale
         self.calls = 0
         self.hoard: list[bytearray] = []
-        self.register_buffer("weight", weights())
+        self.register_buffer("weight", weights() * gain)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -117,16 +119,17 @@ class Faulty(nn.Module):
 
 def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = None,
                 leak_mb: int = 32, scale: float = 0.5, delay: float = 0.0,
-                once: str | None = None, load_delay: float = 0.0) -> nn.Module:
+                once: str | None = None, load_delay: float = 0.0, gain: float = 1.0,
+                while_exists: str | None = None) -> nn.Module:
     if load_delay:
         threading.Event().wait(load_delay)  # a model that takes this long to load, any fault
-    if fault == "load_error":
+    if fault == "load_error" and (while_exists is None or os.path.exists(while_exists)):
         raise RuntimeError("this model refuses to load (test fault)")
     if fault == "load_hang":
         stuck = threading.Event()  # never set: a load that never finishes
         while True:
             stuck.wait(3600)
-    return Faulty(fault, after, only_batch, leak_mb, scale, delay, once)
+    return Faulty(fault, after, only_batch, leak_mb, scale, delay, once, gain)
 
 
 class Echo(nn.Module):

@@ -31,9 +31,11 @@ def main() -> None:
     with Client(f"ipc://{runtime}/frontend.sock", timeout=20) as client:
         found["infer_shape"] = list(client.infer("mlp", np.ones((2, 64), np.float32)).shape)
     found["status_ready"] = [m["ready"] for m in control_request(control, {"type": "status"})["status"]["models"]]
-    for command in ("stop", "restart"):
+    for command, fields in (("stop", {}), ("restart", {}), ("reload", {}),
+                            ("scale", {"model": "mlp", "workers": 3}), ("stop", {"target": "mlp"})):
+        command = command + ("_target" if "target" in fields else "")
         try:
-            control_request(control, {"type": command}, 5.0)
+            control_request(control, {"type": command.removesuffix("_target"), **fields}, 5.0)
             found[f"{command}_on_control"] = "accepted"
         except RemoteError as exc:
             found[f"{command}_on_control"] = {"code": exc.code, "message": str(exc)}

@@ -98,7 +98,7 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
         assert found["infer_shape"] == [2, 10]
         assert found["status_ready"] == [1]
         assert found["cli_status"]["code"] == 0, found["cli_status"]
-        for command in ("stop", "restart"):
+        for command in ("stop", "restart", "reload", "scale", "stop_target"):
             refusal = found[f"{command}_on_control"]
             assert refusal["code"] == protocol.BAD_REQUEST, refusal
             assert "only accepted on the admin socket" in refusal["message"]
@@ -110,10 +110,11 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
         assert "permission denied: " in found["cli_stop"]["stderr"]
         assert "private/admin.sock" in found["cli_stop"]["stderr"]
 
-        # Still serving, same worker, nothing restarted.
+        # Still serving, same worker, nothing restarted, scaled or stopped.
         assert daemon.process.poll() is None
         status = daemon.status()
         assert [w["restarts"] for w in status["workers"]] == [0]
+        assert [w["state"] for w in status["workers"]] == ["READY"]
         with Client(daemon.endpoint) as client:
             assert client.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
 

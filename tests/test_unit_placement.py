@@ -180,3 +180,23 @@ def test_gpu_threads_still_bounded_by_their_cores():
 
 def test_no_models_no_slots():
     assert plan(settings(), cores=[0]) == {}
+
+
+def test_a_replan_keeps_running_slots_where_they_are_and_carves_new_ones_around_them():
+    before = plan(settings(model("a"), model("b")), cores=list(range(6)))
+    assert [p.cores for p in before["b"]] == [[1]]
+    # a scaled to 3 and c added: b stays on core 1; a's new slots and c take the free cores.
+    after = plan(settings(model("a", workers=3), model("b"), model("c")), cores=list(range(6)),
+                 keep=before)
+    assert after["b"] == before["b"] and after["a"][0] == before["a"][0]
+    assert [p.cores for p in after["a"]] == [[0], [2], [3]] and [p.cores for p in after["c"]] == [[4]]
+    # Without keep, b would have moved: the planner carves in model order.
+    assert plan(settings(model("a", workers=3), model("b")), cores=list(range(6)))["b"][0].cores == [3]
+
+
+def test_a_kept_placement_that_no_longer_fits_is_planned_afresh():
+    before = plan(settings(model("a", workers=2)), cores=[0, 1, 2, 3])
+    after = plan(settings(model("a", workers=2, cores_per_worker=2)), cores=[0, 1, 2, 3], keep=before)
+    assert [p.cores for p in after["a"]] == [[0, 1], [2, 3]]
+    gone = plan(settings(model("a", workers=2)), cores=[0, 2], keep=before)  # core 1 went away
+    assert [p.cores for p in gone["a"]] == [[0], [2]]
