@@ -1,8 +1,8 @@
 """The daemon's life as an operator drives it: signals, deadlines, systemd's watchdog, JSON logs.
 
 Each test breaks when the mechanism it is named after breaks: a drain that drops queued requests,
-a second signal that does not cut the drain short, a rolling restart that retires before it
-replaces, a start or drain deadline that is never enforced, a probe latency check that never
+a second signal that does not cut the drain short, a rolling restart (``modelwarden restart``)
+that retires before it replaces, a start or drain deadline that is never enforced, a probe latency check that never
 fails, a watchdog that never pings, a retry where ``retries = 0`` forbids one.
 """
 
@@ -102,7 +102,7 @@ def ready_sampler(daemon: Daemon, stop: threading.Event, seen: list, failures: l
             failures.append(repr(exc))
 
 
-def test_sighup_replaces_every_worker_before_retiring_it():
+def test_a_rolling_restart_replaces_every_worker_before_retiring_it():
     with Daemon([echo("rolling", delay=0.0, workers=2)]) as daemon:
         daemon.wait_ready()
         before = set(daemon.worker_pids())
@@ -110,7 +110,7 @@ def test_sighup_replaces_every_worker_before_retiring_it():
         sampler = threading.Thread(target=ready_sampler, args=(daemon, stop, seen, failures))
         sampler.start()
         try:
-            daemon.process.send_signal(signal.SIGHUP)
+            assert daemon.command("restart")["restarted"] == ["rolling#0", "rolling#1"]
             poll_until(lambda: len(daemon.workers("rolling", "READY")) == 2
                        and not before & set(daemon.worker_pids()), 90,
                        message="both workers replaced")
