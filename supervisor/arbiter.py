@@ -629,7 +629,7 @@ class Arbiter:
             logger.error("reload refused, the running configuration stays: %s", exc)
             raise ProtocolError(BAD_REQUEST, f"config error: {exc}; the running configuration "
                                 "is unchanged") from None
-        return self._apply(new, placements, "reload")
+        return self._apply(new, placements, "reload", release=True)
 
     def scale(self, name: str, workers: int) -> list[str]:
         """``workers`` slots for one model, until the next reload re-reads the file."""
@@ -653,7 +653,8 @@ class Arbiter:
     def _running_placements(self) -> dict[str, list[SlotPlacement]]:
         return {name: [slot.placement for slot in pool.slots] for name, pool in self.pools.items()}
 
-    def _apply(self, new: Settings, placements: dict, why: str) -> list[str]:
+    def _apply(self, new: Settings, placements: dict, why: str, release: bool = False) -> list[str]:
+        """``release``: the file was re-read, so slots stopped by a command start again."""
         running = self._running_placements()
         versions = {name: {handle.spec.version for handle in pool.handles()}
                     for name, pool in self.pools.items()}
@@ -668,6 +669,8 @@ class Arbiter:
             pool.reconfigure(change.config, judge, change.roll, self.versions.of(change.config))
             pool.scale(change.placements, f"{why}: workers {len(pool.slots)} -> "
                        f"{len(change.placements)}")
+            if release and pool.release():
+                change.reasons.append("stopped workers started again")
         added = {}
         for config in changes.added:
             for leaving in self.leaving_pools:

@@ -275,10 +275,12 @@ class ModelPool:
         # The slot followed its worker to DEAD or STOPPED when the exit was marked.
         if slot.fatal_on_exit is not None:
             self._go_fatal(slot, slot.fatal_on_exit)
-        elif handle.state == S.STOPPED or self.host.stopping or slot.held:
+        elif self.host.stopping or slot.held:
             slot.set_state(SlotState.STOPPED, slot.held or "stopped")
             self._forget_if_gone(slot)
             self.host.on_slot_fatal(self)  # a stopped model answers what waits for it
+        elif handle.state == S.STOPPED:  # drained as told, then released by a reload: no failure
+            self.spawn(slot)
         else:
             self._restart(slot, handle, cause)
 
@@ -490,6 +492,20 @@ class ModelPool:
                 self.stop_slot(slot, reason)
                 stopped.append(slot.name)
         return stopped
+
+    def release(self) -> list[str]:
+        """A reload re-read the file: slots stopped by a command serve again (a slot still
+        draining restarts once its worker has left)."""
+        released = []
+        for slot in self.slots:
+            if slot.held is None:
+                continue
+            slot.held = None
+            released.append(slot.name)
+            if not slot.handles():
+                slot.start_failures = slot.probe_replacements = 0
+                self.spawn(slot)
+        return released
 
     def scale(self, placements: list[SlotPlacement], reason: str) -> None:
         """As many slots as ``placements``: new ones start now, surplus ones stop (the last

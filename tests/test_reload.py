@@ -180,8 +180,12 @@ def test_scale_and_stop_commands_change_one_model_until_restart():
             with Client(daemon.endpoint, timeout=10) as client:
                 client.infer("m", torch.ones(2, 8))
         assert refused.value.code == protocol.NO_WORKER
-        assert daemon.command("restart", target="m")["restarted"] == ["m#0", "m#1"]
-        poll_until(lambda: len(daemon.workers("m", "READY")) == 2, 60, message="m back")
+        assert daemon.command("restart", target="m#0")["restarted"] == ["m#0"]
+        poll_until(lambda: daemon.workers("m", "READY"), 60, message="m#0 back")
+        # A reload re-reads the file: one worker (the scale is undone) and nothing held.
+        assert daemon.command("reload")["changes"] == ["m: workers 2 -> 1"]
+        poll_until(lambda: [w["state"] for w in daemon.workers("m")] == ["READY"], 60,
+                   message="m back to the file's one worker")
         assert [w["pid"] for w in daemon.workers("o")] == others and daemon.process.poll() is None
         bad = cli("scale", "nosuch", "2", "--admin", daemon.admin)
         assert bad.returncode == 2 and "no model named 'nosuch'" in bad.stderr, bad

@@ -1049,3 +1049,17 @@ def test_a_new_version_that_cannot_start_stops_the_roll_with_the_old_worker_serv
     pool.roll_step()
     assert len(host.launched) == 3  # the roll stopped at the first slot
     assert pool.ready_count() == 2 and not pool.all_fatal()
+
+
+def test_a_reload_releases_stopped_slots_even_one_still_draining(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    for handle in host.launched:
+        ready(pool, handle)
+    pool.stop()
+    exit_with(pool, host.launched[1], EXIT_OK)  # slot 1 stopped; slot 0 still draining
+    assert pool.release() == ["m#0", "m#1"]
+    assert len(host.launched) == 3 and host.launched[2].spec.slot == 1
+    exit_with(pool, host.launched[0], EXIT_OK)  # slot 0's worker leaves: the slot starts again
+    assert len(host.launched) == 4 and pool.slots[0].state == SlotState.STARTING
+    assert pool.release() == []
