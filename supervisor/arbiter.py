@@ -584,7 +584,8 @@ class Arbiter:
         self.router.recover(pool, handle)
 
     def on_slot_fatal(self, pool: ModelPool) -> None:
-        if pool.all_fatal():
+        # A removed pool's queue may belong by now to a model of the same name added since.
+        if pool.all_fatal() and self.pools.get(pool.name) is pool:
             self.router.fail_queue(pool, NO_WORKER,
                                    f"every worker of {pool.name!r} is FATAL or stopped")
 
@@ -661,6 +662,7 @@ class Arbiter:
         changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
         self.settings = new
         for name in changes.removed:
+            self.pools[name].retire(f"model {name} removed by a reload")
             self.leaving_pools.append(self.pools[name])
         for name, change in changes.kept.items():
             pool = self.pools[name]

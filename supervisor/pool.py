@@ -339,7 +339,7 @@ class ModelPool:
         """Start a replacement; the old worker serves on until it is READY, then drains."""
         slot = self.slot_of(handle)
         if (handle is not slot.current or handle.state != S.READY or handle.retiring
-                or slot.previous is not None or self.host.stopping):
+                or slot.previous is not None or slot.held or self.host.stopping):
             return False
         logger.warning("%s pid %s: replacing (%s)", handle.worker_id, handle.pid, reason)
         handle.retiring = reason
@@ -492,6 +492,12 @@ class ModelPool:
                 self.stop_slot(slot, reason)
                 stopped.append(slot.name)
         return stopped
+
+    def retire(self, reason: str) -> None:
+        """The model was removed: no worker of it starts again (a crash stays down, nothing is
+        replaced), while the ones serving finish its queue; ``scale([])`` then stops them."""
+        for slot in self.slots:
+            slot.held = reason
 
     def release(self) -> list[str]:
         """A reload re-read the file: slots stopped by a command serve again (a slot still

@@ -1063,3 +1063,18 @@ def test_a_reload_releases_stopped_slots_even_one_still_draining(host):
     exit_with(pool, host.launched[0], EXIT_OK)  # slot 0's worker leaves: the slot starts again
     assert len(host.launched) == 4 and pool.slots[0].state == SlotState.STARTING
     assert pool.release() == []
+
+
+def test_a_retired_pool_restarts_and_replaces_nothing_then_scales_to_nothing(host):
+    pool = make_pool(host, workers=2)
+    pool.start_all()
+    for handle in host.launched:
+        ready(pool, handle)
+    pool.retire("model m removed by a reload")
+    exit_with(pool, host.launched[0], SIGSEGV)  # a crash of a removed model's worker: no restart
+    assert pool.slots[0].state == SlotState.STOPPED and len(host.launched) == 2
+    assert not pool.replace(host.launched[1], "max_rss")
+    pool.scale([], "removed")
+    assert pool.slots == [] and host.launched[1].state == S.DRAINING
+    exit_with(pool, host.launched[1], EXIT_OK)
+    assert pool.leaving == [] and pool.handles() == [] and len(host.launched) == 2
