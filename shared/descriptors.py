@@ -67,6 +67,7 @@ class InferReply(NamedTuple):
     error: ReplyError | None
     worker: str | None
     timing: dict[str, int]
+    version: str | None = None  # the model version that answered
 
 
 def malformed(message: str) -> ProtocolError:
@@ -87,7 +88,7 @@ def parse_reply(header: Any, frames: list, shm: bool = True) -> InferReply:
         if frames:
             raise malformed(f"a failure carries no payload, got {len(frames)} frames")
         return InferReply(request_id_of(header), False, None, [], _error(header.get("error")),
-                          worker, timing)
+                          worker, timing, _optional_str(header, "version"))
     if "outputs" not in header:
         raise malformed("a success needs 'outputs'")
     tensors = parse_reply_tensors(header.get("tensors"), frames, shm)
@@ -95,7 +96,8 @@ def parse_reply(header: Any, frames: list, shm: bool = True) -> InferReply:
         check_tree(header["outputs"], len(tensors), "'outputs'")
     except ProtocolError as exc:
         raise malformed(exc.message) from None
-    return InferReply(request_id_of(header), True, header["outputs"], tensors, None, worker, timing)
+    return InferReply(request_id_of(header), True, header["outputs"], tensors, None, worker, timing,
+                      _optional_str(header, "version"))
 
 
 def parse_reply_tensors(descs: Any, frames: list, shm: bool = True) -> list[TensorDesc]:

@@ -31,8 +31,9 @@ the client, echoed in the reply; a client drops replies whose id it no longer wa
 ``hello``: ask what the daemon offers (protocol version, models, shared memory: whether it is
 enabled, the size threshold, and ``channel``, the path of the buffer channel).
 
-On the control endpoint: ``status``, ``restart`` (``{"target": "mlp"}`` or a worker id) and
-``stop``.
+On the control endpoint: ``status``. On the admin endpoint also ``restart`` (``{"target":
+"mlp"}`` or a worker id), ``reload``, ``scale`` (``{"model": "mlp", "workers": 3}``) and ``stop``
+(the daemon, or with a ``target`` a model's or a worker's workers).
 
 Tensors
 =======
@@ -67,7 +68,7 @@ Reply
 Success::
 
     {"id": 7, "ok": true, "outputs": TREE, "tensors": [DESC, ...], "worker": "mlp#1",
-     "timing": {"queue_us": 12, "compute_us": 230, "total_us": 410}}
+     "version": "3f9a1c0b7e2d", "timing": {"queue_us": 12, "compute_us": 230, "total_us": 410}}
 
 Failure (no payload frames)::
 
@@ -111,7 +112,8 @@ ERROR_CODES: dict[str, str] = {
     BAD_INPUT: "well formed, but the tensors disagree with the model's declared inputs, "
     "or hold NaN/Inf where the model rejects them",
     UNKNOWN_MODEL: "no model of that name is configured",
-    NO_WORKER: "every worker slot of the model is FATAL; nothing can serve it until a restart",
+    NO_WORKER: "every worker slot of the model is FATAL or stopped; nothing serves it until a "
+               "restart (or its fatal_retry)",
     MODEL_ERROR: "the model raised an exception; the worker stays up",
     OUT_OF_MEMORY: "the model ran out of (GPU) memory on this input; the worker stays up",
     WORKER_DIED: "the worker died while holding the request and retries are off or spent",

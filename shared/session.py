@@ -34,6 +34,7 @@ class Reply:
     outputs: Any
     worker: str | None
     timing: dict
+    version: str | None = None  # the model version that answered (docs/PROTOCOL.md 7.1)
 
 
 @dataclass(eq=False)
@@ -173,7 +174,7 @@ class Session:
             tensors = [to_numpy(tensor) for tensor in tensors]
         outputs = unflatten(reply.outputs, tensors)
         if pending.details:
-            return Reply(outputs, reply.worker, reply.timing)
+            return Reply(outputs, reply.worker, reply.timing, reply.version)
         return outputs
 
     def _tensor(self, desc: TensorDesc, frames: list) -> torch.Tensor:

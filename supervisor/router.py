@@ -112,8 +112,8 @@ class Router:
             buffers = self._check_regions(connection[0], parsed)
             check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
             if pool.all_fatal():
-                raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL; "
-                                    "see `modelwarden status`, then `modelwarden restart`")
+                raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL or "
+                                    "stopped; see `modelwarden status`, then `modelwarden restart`")
             queue = self.queues[pool.name]
             if len(queue) >= pool.config.max_queue:
                 raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(queue)} requests "

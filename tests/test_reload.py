@@ -224,7 +224,9 @@ def test_a_new_version_records_its_own_golden_and_serves_without_a_probe_failure
         assert reply["version"] == new_version and reply["worker"] == "m#0"
         with Client(daemon.endpoint, timeout=10) as client:
             x = torch.ones(2, 8)
-            assert torch.allclose(client.infer("m", x), x @ (weights() * 2.0) + 1.0)
+            answer = client.infer("m", x, details=True)
+            assert torch.allclose(answer.outputs, x @ (weights() * 2.0) + 1.0)
+            assert answer.version == new_version
 
 
 def test_a_worker_always_failing_probes_is_replaced_max_replacements_times_then_fatal():
