@@ -726,7 +726,7 @@ class Arbiter:
         """Serve what was accepted; then (or at the deadline) stop every worker."""
         if self._stop_deadline is not None and now >= self._stop_deadline:
             self.router.fail_everything(SHUTTING_DOWN, "the daemon stopped before answering")
-            for pool in self.pools.values():
+            for pool in (*self.pools.values(), *self.leaving_pools):
                 for handle in pool.handles():
                     if handle.alive:
                         pool.terminate(handle, "shutdown deadline")
@@ -735,7 +735,7 @@ class Arbiter:
         if self.router.pending or self._workers_told_to_stop:
             return
         self._workers_told_to_stop = True
-        for pool in self.pools.values():
+        for pool in (*self.pools.values(), *self.leaving_pools):
             for slot in pool.slots:
                 self.timers.cancel(slot.backoff_timer)
             for handle in pool.handles():
