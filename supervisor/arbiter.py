@@ -660,15 +660,14 @@ class Arbiter:
         versions = {name: {handle.spec.version for handle in pool.handles()}
                     for name, pool in self.pools.items()}
         changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
+        judges = self._new_judges(new, changes)  # may refuse: nothing is touched before this
         self.settings = new
         for name in changes.removed:
             self.pools[name].retire(f"model {name} removed by a reload")
             self.leaving_pools.append(self.pools[name])
         for name, change in changes.kept.items():
             pool = self.pools[name]
-            judge = (pool.judge if change.config.probe == pool.config.probe else
-                     pool.judge.reconfigured(change.config.probe, self._golden_file(change.config)))
-            pool.reconfigure(change.config, judge, change.roll, self.versions.of(change.config))
+            pool.reconfigure(change.config, judges[name], change.roll, self.versions.of(change.config))
             pool.scale(change.placements, f"{why}: workers {len(pool.slots)} -> "
                        f"{len(change.placements)}")
             if release and pool.release():
@@ -679,7 +678,7 @@ class Arbiter:
                 if leaving.name == config.name:  # it shares the new pool's queue: stop it now
                     leaving.scale([], f"{why}: model {config.name} added again")
             added[config.name] = ModelPool(config, placements[config.name], self,
-                                           self._judge_for(config))
+                                           judges[config.name])
         self.pools = {model.name: self.pools.get(model.name) or added[model.name]
                       for model in new.models}
         for pool in added.values():
@@ -690,14 +689,33 @@ class Arbiter:
         self.notifier.status(self._summary())
         return summary
 
+    def _new_judges(self, new: Settings, changes: reload.ReloadPlan) -> dict[str, ProbeJudge]:
+        """Each added or kept model's judge; a golden file that cannot be read refuses the
+        reload (``check_files`` saw it exists, not that it parses)."""
+        judges = {}
+        for config in [*changes.added, *(change.config for change in changes.kept.values())]:
+            pool = self.pools.get(config.name)
+            if pool is not None and pool.config.probe == config.probe:
+                judges[config.name] = pool.judge
+                continue
+            try:
+                golden = load_golden(new.resolve(config.probe.golden)) if config.probe.golden else None
+            except (OSError, ValueError) as exc:
+                logger.error("reload refused, the running configuration stays: %s: %s",
+                             config.probe.golden, exc)
+                raise ProtocolError(BAD_REQUEST, f"config error: {config.name}.probe.golden: "
+                                    f"{exc}; the running configuration is unchanged") from None
+            judges[config.name] = (ProbeJudge(config.probe, golden) if pool is None
+                                   else pool.judge.reconfigured(config.probe, golden))
+        return judges
+
     def _tend_leaving(self, now: float) -> None:
         """Removed models: their workers serve what was queued for them, then drain and stop."""
         for pool in list(self.leaving_pools):
             pool.tick(now)
             if pool.slots:
                 self.router.dispatch(pool)
-                queued = self.router.queued(pool)
-                if queued and not pool.ready_count():
+                if self.router.queued(pool) and not pool.ready_count():
                     self.router.fail_queue(pool, UNKNOWN_MODEL, f"model {pool.name!r} was removed "
                                            "by a reload before a worker could serve this")
                 if not self.router.queued(pool):

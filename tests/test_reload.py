@@ -137,6 +137,13 @@ def test_an_invalid_reload_changes_nothing_and_the_cli_says_why_with_exit_2():
         result = cli("reload", "--admin", daemon.admin)
         assert result.returncode == 2 and "daemon.frontend: changed" in result.stderr, result
         assert [m["name"] for m in daemon.status()["models"]] == ["m"]
+        # A golden file that exists but does not parse is refused before anything changes.
+        daemon.config_path.write_text(good)
+        garbage = daemon.dir / "garbage.npy"
+        garbage.write_bytes(b"not an array")
+        rewrite(daemon, [{**model, "probe": {"golden": str(garbage)}}])
+        result = cli("reload", "--admin", daemon.admin)
+        assert result.returncode == 2 and "config error: m.probe.golden" in result.stderr, result
         assert daemon.worker_pids() == before
         # The file put right: the same command applies it, and an unchanged file changes nothing.
         daemon.config_path.write_text(good)
