@@ -11,6 +11,7 @@ without a limit, a FATAL slot that never retries.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -234,6 +235,37 @@ def test_a_new_version_records_its_own_golden_and_serves_without_a_probe_failure
             answer = client.infer("m", x, details=True)
             assert torch.allclose(answer.outputs, x @ (weights() * 2.0) + 1.0)
             assert answer.version == new_version
+
+
+def test_new_weights_in_place_and_a_restart_make_a_new_version_with_its_own_golden(tmp_path):
+    # The scenario: the model's code (its weights) changes under an unchanged
+    # configuration and `modelwarden restart` runs. The version is derived at each spawn, so the
+    # new worker is a new version and records its own golden instead of failing against the old.
+    module = tmp_path / "mw_weights.py"
+    factory = "from tests.faulty import make_faulty\n\ndef build():\n    return make_faulty(gain={})\n"
+    module.write_text(factory.format(1.0))
+    model = {**faulty_model("w", probe=PROBES, **QUICK), "source": "python:mw_weights:build",
+             "kwargs": {}}
+    with Daemon([model], daemon={"python_path": [str(ROOT), str(tmp_path)]}) as daemon:
+        daemon.wait_ready()
+        poll_until(lambda: model_row(daemon, "w")["golden"], 30, message="the golden recorded")
+        old_version = model_row(daemon, "w")["version"]
+        module.write_text(factory.format(2.0))
+        os.utime(module, ns=(1, 1))  # a same-size rewrite within the mtime's granularity
+        assert daemon.command("restart", target="w")["restarted"] == ["w#0"]
+
+        def new_version_serving():
+            workers = daemon.workers("w")
+            return (len(workers) == 1 and workers[0]["state"] == "READY"
+                    and workers[0]["version"] != old_version and workers[0]["probe"]["ok"]
+                    and workers[0]["ready_s"] > 2.0)
+
+        poll_until(new_version_serving, 90, message="the new version serving, its probes passing")
+        assert model_row(daemon, "w")["version"] == daemon.workers("w")[0]["version"]
+        assert "probe failed" not in daemon.log() and daemon.workers("w")[0]["restarts"] == 1
+        with Client(daemon.endpoint, timeout=10) as client:
+            x = torch.ones(2, 8)
+            assert torch.allclose(client.infer("w", x), x @ (weights() * 2.0) + 1.0)
 
 
 def test_a_worker_always_failing_probes_is_replaced_max_replacements_times_then_fatal():
