@@ -622,11 +622,13 @@ class Arbiter:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
         if self.zap is not None:  # rotated client keys apply whatever the file says
             self.zap.reload()
+        self.service.reload_started(daemon_health(self.pools.values()))
         try:
             new = load_settings(self.settings.config_path)
             placements = plan(new, keep=self._running_placements())
             reload.check_daemon_unchanged(self.settings, new)
         except ConfigError as exc:
+            self._report_health()  # nothing changed: READY=1 closes the RELOADING=1
             logger.error("reload refused, the running configuration stays: %s", exc)
             raise ProtocolError(BAD_REQUEST, f"config error: {exc}; the running configuration "
                                 "is unchanged") from None
@@ -686,7 +688,7 @@ class Arbiter:
         summary = changes.summary() or ["no change"]
         for line in summary:
             logger.info("%s: %s", why, line)
-        self.notifier.status(self._summary())
+        self._report_health()
         return summary
 
     def _new_judges(self, new: Settings, changes: reload.ReloadPlan) -> dict[str, ProbeJudge]:
@@ -703,6 +705,7 @@ class Arbiter:
             except (OSError, ValueError) as exc:
                 logger.error("reload refused, the running configuration stays: %s: %s",
                              config.probe.golden, exc)
+                self._report_health()
                 raise ProtocolError(BAD_REQUEST, f"config error: {config.name}.probe.golden: "
                                     f"{exc}; the running configuration is unchanged") from None
             judges[config.name] = (ProbeJudge(config.probe, golden) if pool is None

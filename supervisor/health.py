@@ -76,8 +76,12 @@ def model_health(name: str, ready_min: int | None, slots: list) -> ModelHealth:
     serving = sum(1 for slot in slots
                   if any(handle.state == WorkerState.READY for handle in slot.handles()))
     fatal = tuple(slot.name for slot in slots if slot.state == SlotState.FATAL)
+    # A reload rolls one slot at a time: a slot still waiting for its turn is not settled either,
+    # unless a replacement that cannot start (FATAL, its old worker serving) halted the roll.
+    halted = any(slot.previous is not None and slot.state == SlotState.FATAL for slot in slots)
     replacing = sum(1 for slot in slots
-                    if slot.previous is not None and slot.state != SlotState.FATAL)
+                    if (slot.previous is not None and slot.state != SlotState.FATAL)
+                    or (not halted and slot.runs_stale()))
     dead = bool(slots) and all(slot.state == SlotState.FATAL and not slot.handles() for slot in slots)
     return ModelHealth(name, len(slots), serving, len(slots) if ready_min is None else ready_min,
                        fatal, replacing, dead)

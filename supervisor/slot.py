@@ -72,7 +72,8 @@ class Slot:
 
     def runs_stale(self) -> bool:
         """Its current worker was spawned under a configuration a reload has since replaced."""
-        return self.current is not None and self.current.spec.generation <= self.stale_through
+        return (self.stale_through > 0 and self.current is not None
+                and self.current.spec.generation <= self.stale_through)
 
     def handles(self) -> list[WorkerHandle]:
         return [handle for handle in (self.current, self.previous) if handle is not None]

@@ -44,6 +44,17 @@ def test_an_old_worker_serving_while_its_replacement_starts_counts_but_is_not_se
     assert health.status_line() == "1/1 workers ready"
 
 
+def test_a_slot_waiting_for_its_turn_in_a_reloads_roll_is_not_settled_unless_the_roll_halted():
+    waiting = slot(1, S.READY, W.READY)
+    waiting.current.spec = SimpleNamespace(generation=1)
+    waiting.stale_through = 1  # a reload superseded its worker's configuration
+    done = slot(0, S.READY, W.READY)
+    assert not Health((model_health("mlp", None, [done, waiting]),)).settled
+    # Slot 0's new version cannot start (FATAL, its old worker serving): the roll stops there.
+    halted = slot(0, S.FATAL, None, previous=W.READY)
+    assert Health((model_health("mlp", None, [halted, waiting]),)).settled
+
+
 def test_status_names_what_it_waits_for_fatal_slots_and_dead_models():
     half = model_health("mlp", None, [slot(0, S.READY, W.READY), slot(1, S.FATAL)])
     dead = Health((model_health("big", 0, [slot(0, S.FATAL), slot(1, S.FATAL)]),))
