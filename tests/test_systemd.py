@@ -14,8 +14,8 @@ hardening is the shipped unit's.
 Checks, in order, against the one container: ``systemctl start`` returns only once every worker
 is READY; shared memory (memfds over buffers.sock, from a client of another user in the group)
 and core pinning work under the hardening; journald keeps each line's priority (``journalctl -p
-warning``); ``systemctl reload`` returns only once every worker has been replaced (RELOADING=1,
-then READY=1); a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl
+warning``); ``systemctl reload`` re-reads the configuration (a new model version) and returns
+only once every worker has been replaced (RELOADING=1, then READY=1); a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl
 stop`` leaves no process, socket or buffer; ``systemd-analyze security`` rates the unit at most
 2.0.
 
@@ -234,14 +234,19 @@ def test_journald_keeps_each_lines_priority(container):
                message="the killed worker replaced")
 
 
-def test_reload_returns_once_every_worker_is_replaced(container):
-    """The daemon sends RELOADING=1 on SIGHUP and READY=1 once every worker has been replaced:
-    systemd keeps the unit "reloading", and `systemctl reload` waiting, until then."""
+def test_reload_rereads_the_config_and_returns_once_every_worker_is_replaced(container):
+    """`systemctl reload` (SIGHUP) re-reads the configuration: a new version of the model rolls
+    its workers. The daemon sends RELOADING=1 at once and READY=1 once every worker has been
+    replaced: systemd keeps the unit "reloading", and `systemctl reload` waiting, until then."""
     before = {worker["pid"] for worker in container.status()["workers"]}
+    container.out("sed -i 's/^kwargs = { hidden = 256 }$/&\\nversion = \"2\"/' "
+                  "/etc/modelwarden/modelwarden.toml && grep -q '^version = \"2\"$' "
+                  "/etc/modelwarden/modelwarden.toml")
     reload = container.sh("systemctl reload modelwarden.service")
     assert reload.returncode == 0, reload.stderr
     after = container.status()["workers"]  # at once: what `systemctl reload` returned to
     assert [w["state"] for w in after] == ["READY", "READY"], after
+    assert [w["version"] for w in after] == ["2", "2"], after
     assert not before & {worker["pid"] for worker in after}, (before, after)
     gone = container.sh(" && ".join(f"! test -e /proc/{pid}" for pid in before))
     assert gone.returncode == 0, f"old workers still running after the reload: {before}"
