@@ -46,7 +46,7 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The labels of modelwarden_requests_total, in order. ``request_labels`` returns their values: a
 # new label (a model version) is one name here and one value there.
-REQUEST_LABELS = ("model", "code")
+REQUEST_LABELS = ("model", "version", "code")
 # name, help, bucket bounds: one histogram of each per model, in RequestMetrics.answered's order.
 HISTOGRAMS = (
     ("modelwarden_queue_seconds", "Time from acceptance to dispatch, successful requests",
@@ -61,7 +61,10 @@ HISTOGRAMS = (
 
 
 def request_labels(request, code: str) -> tuple:
-    return (request.model, code)
+    """The version is the one of the worker that answered; "" for a request answered before
+    any worker held it (refused at intake, timed out in the queue)."""
+    worker = getattr(request, "worker", None)
+    return (request.model, worker.spec.version if worker is not None else "", code)
 
 
 # -- per request (the loop's hot path) -----------------------------------------------------------
