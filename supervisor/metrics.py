@@ -3,7 +3,7 @@
 Every number is the loop's own and is handed to the scrape thread in one immutable ``Snapshot``:
 
 * Per request (the router calls ``RequestMetrics.answered`` once per answer, from the loop):
-  ``modelwarden_requests_total{model,code}`` and the latency and batch-size histograms, kept as
+  ``modelwarden_requests_total{model,version,code}`` and the latency and batch-size histograms, kept as
   plain counts the loop alone writes (a bisect and two additions per histogram: no lock on the
   hot path).
 * Per tick (``Telemetry.publish``, every 0.1 s): workers and slots by state, FATAL slots, queue
