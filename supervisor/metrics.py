@@ -3,9 +3,9 @@
 Every number is the loop's own and is handed to the scrape thread in one immutable ``Snapshot``:
 
 * Per request (the router calls ``RequestMetrics.answered`` once per answer, from the loop):
-  ``modelwarden_requests_total{model,version,code}`` and the latency and batch-size histograms, kept as
-  plain counts the loop alone writes (a bisect and two additions per histogram: no lock on the
-  hot path).
+  ``modelwarden_requests_total{model,version,code}`` and the latency and batch-size
+  histograms, kept as plain counts the loop alone writes (a bisect and two additions per
+  histogram: no lock on the hot path).
 * Per tick (``Telemetry.publish``, every 0.1 s): workers and slots by state, FATAL slots, queue
   depth, RSS and CUDA memory, restarts by cause and probe failures read from the pools, and a
   copy of the per-request counts. The snapshot replaces the previous one with one assignment;
