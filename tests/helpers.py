@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,6 +91,13 @@ def faulty_model(name: str, fault: str = "none", workers: int = 1, **extra: Any)
              "inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 8]}]}
     model.update(extra)
     return model
+
+
+def rewrite_config(daemon: "Daemon", models: list[dict], **daemon_settings: Any) -> None:
+    """The daemon's configuration file with new models (and daemon keys, if given), for a
+    reload to read."""
+    current = tomllib.loads(daemon.config_path.read_text())
+    daemon.config_path.write_text(render_config({**current["daemon"], **daemon_settings}, models))
 
 
 class Daemon:

@@ -99,10 +99,12 @@ def test_a_hung_forward_is_killed_and_its_request_retried(tmp_path):
         assert "no heartbeat" in daemon.log()
 
 
-def test_a_hung_probe_is_caught_and_the_worker_replaced():
+def test_a_hung_probe_is_caught_and_the_worker_replaced(tmp_path):
     # batch 1 is only ever the probe here (clients send 2..5 rows): calls 1-8 are warm-up,
-    # baseline and the first probe; the second probe hangs
-    model = chaos_model("probehang", "hang", workers=1, after=8, only_batch=1)
+    # baseline and the first probe; the second probe hangs, in the first worker only (once:
+    # a replacement that hung too would be replaced probe.max_replacements times, then FATAL)
+    model = chaos_model("probehang", "hang", workers=1, after=8, only_batch=1,
+                        once=str(tmp_path / "armed"))
     # Heartbeats may not be what catches it: a hung forward also stops them, so give the
     # heartbeat check a minute and leave the probe timeout alone to find the hang.
     model.update(heartbeat_timeout=60.0, drain_timeout=1.0)

@@ -20,7 +20,8 @@ import time
 import pytest
 
 from modelwarden.supervisor.health import EXIT_MODEL_FATAL
-from tests.helpers import Daemon, alive, children_of, cmdline, faulty_model, poll_until
+from tests.helpers import (Daemon, alive, children_of, cmdline, faulty_model, poll_until,
+                           rewrite_config)
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +133,7 @@ def test_a_reload_is_framed_by_reloading_and_ready(notify):
     with Daemon([model], env=notify.env) as daemon:
         first, _ = notify.wait_for(lambda m: m.get("READY") == "1", 90, "the first READY=1")
         before = daemon.worker_pids()
+        rewrite_config(daemon, [{**model, "version": "2"}])  # a new version rolls every worker
         daemon.process.send_signal(signal.SIGHUP)
         start, reloading = notify.wait_for(lambda m: m.get("RELOADING") == "1", 30, "RELOADING=1",
                                            after=first + 1)

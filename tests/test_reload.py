@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,8 @@ import torch
 from modelwarden.shared import protocol
 from modelwarden.shared.client import Client, RemoteError, control_request
 from tests.faulty import reference, weights
-from tests.helpers import ROOT, Daemon, alive, faulty_model, poll_until, raw_request, render_config
+from tests.helpers import (ROOT, Daemon, alive, faulty_model, poll_until, raw_request,
+                           render_config, rewrite_config)
 from tests.load import CapacitySampler, run_load
 
 pytestmark = pytest.mark.slow
@@ -34,10 +34,7 @@ pytestmark = pytest.mark.slow
 QUICK = {"start_seconds": 0.5, "backoff_initial": 0.05, "kill_grace": 2.0}
 
 
-def rewrite(daemon: Daemon, models: list[dict], **daemon_settings) -> None:
-    """The daemon's configuration file with new models (and daemon keys, if given)."""
-    current = tomllib.loads(daemon.config_path.read_text())
-    daemon.config_path.write_text(render_config({**current["daemon"], **daemon_settings}, models))
+rewrite = rewrite_config
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
