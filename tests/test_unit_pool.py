@@ -595,7 +595,7 @@ def test_least_loaded_prefers_fewer_requests_in_flight(host):
     assert pool.least_loaded() is b
     b.inflight[6] = "r"
     b.inflight[7] = "r"  # b is full now
-    a.last_dispatch, c.last_dispatch = 2.0, 1.0
+    a.last_dispatch, c.last_dispatch = 1.0, 2.0
     assert pool.least_loaded() is c
     a.inflight[8] = "r"
     c.inflight[9] = "r"
@@ -614,11 +614,12 @@ def test_least_loaded_avoids_suspect_workers_while_others_have_room(host):
     assert pool.least_loaded() is a
 
 
-def test_least_loaded_breaks_ties_by_least_recent_dispatch(host):
+def test_least_loaded_breaks_ties_by_most_recent_dispatch(host):
+    # the most recently used worker has its weights in the caches
     pool, (a, b, c) = three_ready(host)
     a.last_dispatch, b.last_dispatch, c.last_dispatch = 30.0, 10.0, 20.0
-    assert pool.least_loaded() is b
-    b.last_dispatch = 40.0
+    assert pool.least_loaded() is a
+    a.inflight = {1: "r"}  # busy: the next most recent
     assert pool.least_loaded() is c
 
 
