@@ -94,6 +94,29 @@ def test_batched_answers_equal_unbatched_answers(tmp_path, out, shm):
         assert batching["max_size"] == len(requests)
 
 
+def test_an_identity_model_answers_each_member_with_a_pointer_into_its_own_input(tmp_path):
+    # The worker joins the inputs (a copy); a model returning them gives each member its own
+    # input back, so a shared-memory input still comes back as a pointer to the client's buffer
+    # (no inline 4 MiB replies filling the unread-reply budget under batching).
+    with Daemon([pair_model(tmp_path, "identity")], daemon={"shm_threshold": 64}) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint) as client:
+            requests = []
+            for seed, rows in enumerate([4, 8, 12], start=1):  # >= shm_threshold bytes each
+                a, b = client.empty((rows, 8)), client.empty((rows, 16))
+                a.copy_(inputs(rows, seed)[0])
+                b.copy_(inputs(rows, seed, width=16)[1])
+                requests.append((a, b))
+            with Gate(daemon, client, tmp_path) as gate:
+                futures = submit_all(client, requests)
+                gate.queue(len(requests))
+            for future, (a, b) in zip(futures, requests):
+                reply = future.result(WAIT)
+                assert reply.timing["batch"] == len(requests)
+                y, z = reply.outputs
+                assert y.data_ptr() == a.data_ptr() and z.data_ptr() == b.data_ptr()
+
+
 def test_a_lone_request_on_an_idle_pool_is_not_delayed(tmp_path):
     delay_us = 5_000_000
     model = pair_model(tmp_path, batching={"max_delay_us": delay_us})

@@ -218,11 +218,12 @@ class WorkerServer:
             return
         try:
             with self._on_stream():
-                args, kwargs = _concatenate(calls, self.dim)
+                joined = _concatenate(calls, self.dim)
+                args, kwargs = _call_arguments(calls[0].tree, joined)
                 outputs, compute_us = self._forward(args, kwargs)
                 leaves: list = []
                 tree = _flatten_outputs(outputs, leaves)
-                shares = _split_outputs(leaves, [call.rows for call in calls], self.dim)
+                shares = _split_outputs(leaves, calls, joined, self.dim)
         except Exception as exc:
             logger.warning("a batch of %d failed as a whole (%s: %s); running each alone",
                            len(calls), type(exc).__name__, exc)
@@ -364,23 +365,30 @@ def _split_members(envelope: dict, frames: list) -> list[tuple[Any, list]] | Non
     return members
 
 
-def _concatenate(calls: list[Call], dim: int) -> tuple[tuple, dict]:
-    """Every member's inputs joined along ``dim``: one copy per input (the supervisor merged
-    only requests with the same tree, dtypes and non-batch dimensions; checked again here)."""
+def _concatenate(calls: list[Call], dim: int) -> list[torch.Tensor]:
+    """Every member's inputs joined along ``dim``, in descriptor order: one copy per input (the
+    supervisor merged only requests with the same tree, dtypes and non-batch dimensions;
+    checked again here)."""
     first = calls[0]
     if any(call.tree != first.tree or len(call.tensors) != len(first.tensors) for call in calls):
         raise ValueError("batch members disagree on their inputs")
-    joined = [torch.cat([call.tensors[index] for call in calls], dim)
-              for index in range(len(first.tensors))]
-    return _call_arguments(first.tree, joined)
+    return [torch.cat([call.tensors[index] for call in calls], dim)
+            for index in range(len(first.tensors))]
 
 
-def _split_outputs(leaves: list, rows: list[int], dim: int) -> list[list]:
-    """Per member, its share of every output: views along ``dim``, no copy."""
+def _split_outputs(leaves: list, calls: list[Call], joined: list, dim: int) -> list[list]:
+    """Per member, its share of every output: views along ``dim``, no copy. An output that *is*
+    a joined input (an identity-like model) gives each member its own input tensor back, so
+    an input that came in shared memory goes back as a pointer into it, as it would alone."""
+    rows = [call.rows for call in calls]
     total = sum(rows)
     pieces = []
     for index, leaf in enumerate(leaves):
         tensor = leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
+        same = next((k for k, whole in enumerate(joined) if tensor is whole), None)
+        if same is not None:
+            pieces.append([call.tensors[same] for call in calls])
+            continue
         if tensor.dim() <= dim or tensor.shape[dim] != total:
             raise ValueError(f"output {index} has shape {list(tensor.shape)}: not {total} rows "
                              f"along dim {dim}, so it cannot be split by member")
