@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from modelwarden.shared.client import AsyncClient, Client  # noqa: E402
+from bench.payloads import wait_until_serving  # noqa: E402
 
 CONFIG = """
 [daemon]
@@ -67,15 +68,7 @@ def start_daemon(workdir: Path, workers: int) -> subprocess.Popen:
     config.write_text(CONFIG.format(runtime=workdir / "run", workers=workers))
     daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
                               cwd=ROOT)
-    with Client(f"ipc://{workdir}/run/frontend.sock", timeout=2) as client:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.infer("identity", torch.zeros(1), timeout=2)
-                return daemon
-            except Exception:
-                if time.monotonic() > deadline or daemon.poll() is not None:
-                    raise RuntimeError("the daemon did not come up") from None
+    return wait_until_serving(daemon, f"ipc://{workdir}/run/frontend.sock")
 
 
 def summary(latencies_ns: list[int], elapsed: float, cpu: tuple[float, float]) -> dict:

@@ -238,10 +238,16 @@ def start_daemon(workdir: Path) -> subprocess.Popen:
     config.write_text(CONFIG.format(runtime=workdir / "run"))
     daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
                               cwd=ROOT)
+    return wait_until_serving(daemon, f"ipc://{workdir}/run/frontend.sock")
+
+
+def wait_until_serving(daemon: subprocess.Popen, endpoint: str,
+                       timeout: float = 120.0) -> subprocess.Popen:
+    """The daemon, once its ``identity`` model answers (RuntimeError if it never does)."""
     from modelwarden.shared.client import Client
 
-    with Client(f"ipc://{workdir}/run/frontend.sock", timeout=2) as client:
-        deadline = time.monotonic() + 120
+    with Client(endpoint, timeout=2) as client:
+        deadline = time.monotonic() + timeout
         while True:
             try:
                 client.infer("identity", torch.zeros(1), timeout=2)

@@ -499,12 +499,7 @@ def stop_peer(process: subprocess.Popen) -> None:
     """SIGTERM to the server (each script shuts its own pieces down), then SIGKILL to whatever
     of its process tree is left."""
     tree = descendants(process.pid)
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    stop_process(process)
     for pid in tree:
         try:
             os.kill(pid, 9)

@@ -5,7 +5,6 @@ gate file exists); the requests under test are queued behind it (status shows th
 the gate is removed and the worker takes them as one batch. Nothing here sleeps to synchronise.
 """
 
-import os
 
 import pytest
 import torch

@@ -16,17 +16,16 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from modelwarden.shared import protocol
-from modelwarden.shared.client import Client, RemoteError, control_request
+from modelwarden.shared.client import Client, RemoteError
 from tests.faulty import reference, weights
 from tests.helpers import (ROOT, Daemon, alive, faulty_model, poll_until, raw_request,
-                           render_config, rewrite_config)
+                           rewrite_config)
 from tests.load import CapacitySampler, run_load
 
 pytestmark = pytest.mark.slow

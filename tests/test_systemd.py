@@ -193,7 +193,7 @@ def test_start_returns_only_once_every_worker_is_ready(container):
     assert states == ["READY", "READY"], states
     shown = container.show("ActiveState", "StatusText")
     assert shown["ActiveState"] == "active" and shown["StatusText"] == "2/2 workers ready", shown
-    assert container.out(f"stat -c '%U %a' /run/modelwarden") == "modelwarden 750"
+    assert container.out("stat -c '%U %a' /run/modelwarden") == "modelwarden 750"
 
 
 CLIENT = """
