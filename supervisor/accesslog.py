@@ -6,7 +6,8 @@ through the daemon's usual handler (text or JSON, stderr or the journal). One li
     rid=17 id=42 model=mlp worker=mlp#0 code=ok queue_us=31 compute_us=210 total_us=262 batch=1
 
 ``rid`` is the supervisor's request number (also in the router's error lines), ``id`` the
-client's own request id; ``worker`` is ``-`` for a request answered before any worker took it,
+client's own request id, as a Python literal (``42``, ``'a\\nb'``): a client-chosen string can
+carry no newline or spaces into the log to forge a line or a field; ``worker`` is ``-`` for a request answered before any worker took it,
 and the timings of an error reply are ``-`` where there is nothing to tell.
 """
 
@@ -26,7 +27,7 @@ def answered(request, code: str, timing: dict | None) -> None:
     if timing is None:
         timing = error_timing(request)
     worker = request.worker.worker_id if request.worker is not None else "-"
-    access.info("rid=%s id=%s model=%s worker=%s code=%s queue_us=%s compute_us=%s total_us=%s batch=%s",
+    access.info("rid=%s id=%r model=%s worker=%s code=%s queue_us=%s compute_us=%s total_us=%s batch=%s",
                 request.rid, request.client_id, request.model, worker, code,
                 _or_dash(timing.get("queue_us")), _or_dash(timing.get("compute_us")),
                 _or_dash(timing.get("total_us")), _or_dash(timing.get("batch")))

@@ -239,7 +239,7 @@ class Router:
         except OSError as exc:
             if fdchannel.is_gone(exc):
                 return True  # the worker is dying: its sentinel will bring the request back
-            logger.error("%s: cannot pass buffers for rid=%s id=%s (%s)", handle.worker_id,
+            logger.error("%s: cannot pass buffers for rid=%s id=%r (%s)", handle.worker_id,
                          request.rid, request.client_id, errno.errorcode.get(exc.errno, exc))
             self.fail(request, OVERLOADED, f"worker {handle.worker_id} is not taking buffers; retry")
             return False
@@ -369,7 +369,7 @@ class Router:
         try:
             send_parts(request.socket, parts)
         except zmq.ZMQError as exc:  # a closing socket at shutdown; a ROUTER drops the rest silently
-            logger.warning("could not answer request rid=%s id=%s: %s", request.rid, request.client_id, exc)
+            logger.warning("could not answer request rid=%s id=%r: %s", request.rid, request.client_id, exc)
         for observe in self.observers:
             observe(request, code, timing)
 
@@ -413,7 +413,7 @@ class Router:
             if verdict is None:
                 retry.append(request)
             else:
-                logger.error("%s died holding rid=%s id=%s: answering %s", handle.worker_id,
+                logger.error("%s died holding rid=%s id=%r: answering %s", handle.worker_id,
                              request.rid, request.client_id, verdict)
                 self.fail(request, verdict, self._death_message(verdict, handle))
         if retry:

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from modelwarden.shared.client import BadInput, Client, ModelError, UnknownModel
 from modelwarden.shared.config import ConfigError, load_settings
 from tests.faulty import MARKER
-from tests.helpers import Daemon, faulty_model, poll_until
+from modelwarden.shared import protocol
+from tests.helpers import Daemon, faulty_model, poll_until, raw_request
 
 QUICK = {"start_seconds": 0.5, "backoff_initial": 0.1, "kill_grace": 1.0}
 
@@ -185,6 +186,21 @@ def test_the_access_log_has_a_line_per_answer_ok_or_error():
         assert refused[0] == "-" and refused[2:5] == ("raises", "-", "BAD_INPUT"), refused
         assert refused[5:7] == ("-", "-") and refused[7].isdigit(), refused
         assert daemon.stop() == 0
+
+
+def test_a_client_chosen_id_cannot_forge_an_access_log_line():
+    forged = "x\nrid=99 id=1 model=raises worker=raises#0 code=ok queue_us=1 compute_us=1"
+    with Daemon([faulty_model("raises", "raise")], daemon={"access_log": True}) as daemon:
+        daemon.wait_ready()
+        header = {"type": "infer", "id": forged, "model": "raises", "inputs": 0,
+                  "tensors": [{"dtype": "float32", "shape": [2, 8], "frame": 0}]}
+        reply = raw_request(daemon.endpoint, [protocol.SIGNATURE, protocol.pack(header),
+                                              np.ones((2, 8), np.float32).tobytes()])
+        assert reply["ok"] and reply["id"] == forged
+        # the id as a quoted literal, its newline escaped: one line, no forged second one
+        poll_until(lambda: f"id={forged!r} model=raises" in daemon.log(), 10,
+                   message="the access line with the escaped id")
+        assert not re.search(r"^rid=99 ", daemon.log(), re.MULTILINE)
 
 
 def test_no_access_log_unless_asked():
