@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import os
 import pstats
 import shutil
 import subprocess
@@ -38,37 +37,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from modelwarden.shared.client import AsyncClient, Client  # noqa: E402
-from bench.payloads import wait_until_serving  # noqa: E402
-
-CONFIG = """
-[daemon]
-runtime_dir = "{runtime}"
-heartbeat_interval = 1.0
-log_level = "WARNING"
-
-[[models]]
-name = "identity"
-source = "python:examples.models:make_identity"
-workers = {workers}
-threads = 1
-warmup = 0
-max_queue = 4096
-[models.probe]
-interval = 0.0
-"""
+from bench import payloads  # noqa: E402
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+cpu_seconds = payloads.cpu_seconds
 
 
 def start_daemon(workdir: Path, workers: int) -> subprocess.Popen:
-    config = workdir / "bench.toml"
-    config.write_text(CONFIG.format(runtime=workdir / "run", workers=workers))
-    daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
-                              cwd=ROOT)
-    return wait_until_serving(daemon, f"ipc://{workdir}/run/frontend.sock")
+    return payloads.start_daemon(workdir, workers, max_queue=4096)  # 64 in flight per client
 
 
 def summary(latencies_ns: list[int], elapsed: float, cpu: tuple[float, float]) -> dict:

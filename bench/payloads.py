@@ -225,17 +225,19 @@ log_level = "WARNING"
 [[models]]
 name = "identity"
 source = "python:examples.models:make_identity"
-workers = 1
+workers = {workers}
 threads = 1
 warmup = 0
+max_queue = {max_queue}
 [models.probe]
 interval = 0.0
 """
 
 
-def start_daemon(workdir: Path) -> subprocess.Popen:
+def start_daemon(workdir: Path, workers: int = 1, max_queue: int = 1024) -> subprocess.Popen:
+    """The daemon serving the identity model (1 thread per worker, no probes), once it answers."""
     config = workdir / "bench.toml"
-    config.write_text(CONFIG.format(runtime=workdir / "run"))
+    config.write_text(CONFIG.format(runtime=workdir / "run", workers=workers, max_queue=max_queue))
     daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
                               cwd=ROOT)
     return wait_until_serving(daemon, f"ipc://{workdir}/run/frontend.sock")
