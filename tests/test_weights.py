@@ -173,3 +173,43 @@ def test_a_worker_writing_to_mapped_weights_changes_only_itself_and_its_probe_ca
         assert daemon.workers("writer")  # the daemon serves on
         assert alive(pids[other]), "the other worker must not be replaced"
         assert os.path.exists(path)
+
+
+def test_the_weights_file_is_part_of_the_derived_version(tmp_path):
+    from modelwarden.shared.config import ModelConfig
+    from modelwarden.supervisor.versions import VersionBook
+
+    path = write_weights(tmp_path / "w.safetensors", in_features=16, hidden=32, out_features=4)
+    model = ModelConfig(name="m", source="python:modelwarden.examples:make_mlp", warmup=0,
+                        weights="mmap", weights_file="w.safetensors")
+    book = VersionBook(tmp_path, [])
+    first = book.of(model)
+    save_safetensors(make_mlp(16, 32, 4, seed=4).state_dict(), tmp_path / "new.safetensors")
+    (tmp_path / "new.safetensors").rename(path)  # new weights put in place
+    assert book.of(model) != first
+    assert book.of(model.model_copy(update={"weights_file": None})) != book.of(model)
+
+
+def test_a_weights_file_inside_a_package_is_found_without_importing_it(tmp_path):
+    import sys
+
+    from modelwarden.shared.weightsfile import WeightsFileError, resolve_weights_file
+
+    package = tmp_path / "shipsweights"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise RuntimeError('imported')\n")
+    found = resolve_weights_file("package:shipsweights/model/w.safetensors", tmp_path, [str(tmp_path)])
+    assert found == package / "model" / "w.safetensors"
+    assert "shipsweights" not in sys.modules
+    assert resolve_weights_file("w.pt", tmp_path) == tmp_path / "w.pt"
+    with pytest.raises(WeightsFileError, match="not installed"):
+        resolve_weights_file("package:no_such_package_here/w.pt", tmp_path)
+
+
+def test_a_weights_file_that_does_not_fit_the_model_is_a_load_error_in_status(tmp_path):
+    path = write_weights(tmp_path / "small.safetensors", in_features=16, hidden=32, out_features=4)
+    model = mlp_from_file("misfit", path, workers=1, max_start_failures=1, backoff_initial=0.05)
+    with Daemon([model]) as daemon:
+        worker = poll_until(lambda: next((w for w in daemon.workers("misfit") if w["state"] == "FATAL"),
+                                         None), 60, message="the slot FATAL after a load error")
+        assert "size mismatch" in worker["error"] and worker["last_exit"].startswith("exit 4"), worker
