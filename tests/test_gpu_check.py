@@ -52,6 +52,7 @@ def test_a_recycle_check_needs_two_workers():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(900)
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_every_gpu_check_passes_on_a_gpu():
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--seconds", "4"],

@@ -213,3 +213,14 @@ def test_a_weights_file_that_does_not_fit_the_model_is_a_load_error_in_status(tm
         worker = poll_until(lambda: next((w for w in daemon.workers("misfit") if w["state"] == "FATAL"),
                                          None), 60, message="the slot FATAL after a load error")
         assert "size mismatch" in worker["error"] and worker["last_exit"].startswith("exit 4"), worker
+
+
+def test_the_memory_bench_judges_mmap_against_its_target(capsys):
+    from bench.memory import report
+
+    mb = 10 ** 6
+    runtime, weights = [100 * mb] * 4, 200 * mb  # target: 4 x 100 + 1.2 x 200 = 640 MB
+    assert report({"runtime": runtime, "load": [300 * mb] * 4, "mmap": [159 * mb] * 4}, weights, 4)
+    assert "PASS" in capsys.readouterr().out
+    assert not report({"runtime": runtime, "load": [300 * mb] * 4, "mmap": [161 * mb] * 4}, weights, 4)
+    assert "FAIL" in capsys.readouterr().out

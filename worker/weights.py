@@ -60,8 +60,7 @@ def assign_weights(module: torch.nn.Module, state_dict: dict[str, torch.Tensor])
     """Make ``state_dict``'s tensors the module's own (``assign=True``: no copy into fresh
     storage, so mapped pages stay shared). Every name must match, and nothing may be left on the
     meta device (a factory that builds an empty module relies on the file for all of it)."""
-    result = module.load_state_dict(state_dict, strict=True, assign=True)
-    del result  # strict: a mismatch has already raised
+    module.load_state_dict(state_dict, strict=True, assign=True)  # strict: a mismatch raises
     empty = [name for name, tensor in _tensors(module) if tensor.is_meta]
     if empty:
         raise WeightsError(f"no weights for {', '.join(empty[:5])}"
