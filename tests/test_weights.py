@@ -111,10 +111,15 @@ def test_offsets_past_the_end_of_the_file_are_refused(tmp_path):
         read_state_dict(path, "load")
 
 
-def test_mmap_without_a_weights_file_is_a_config_error(tmp_path):
+@pytest.mark.parametrize("lines, message", [
+    ('source = "python:a:b"\nweights = "mmap"', "needs a weights_file"),
+    ('source = "torchscript:m.pt"\nweights_file = "w.pt"', "python: or export: source"),
+    ('source = "python:a:b"\nweights = "shared"', "weights"),
+])
+def test_weights_settings_that_cannot_work_are_config_errors(tmp_path, lines, message):
     config = tmp_path / "c.toml"
-    config.write_text('[[models]]\nname = "m"\nsource = "python:a:b"\nweights = "mmap"\nwarmup = 0\n')
-    with pytest.raises(ConfigError, match="weights_file"):
+    config.write_text(f'[[models]]\nname = "m"\nwarmup = 0\n{lines}\n')
+    with pytest.raises(ConfigError, match=message):
         load_settings(config)
 
 
