@@ -118,6 +118,10 @@ class ModelConfig(_Strict):
     inputs: list[InputSpec] | None = None
     reject_nonfinite: bool = False
     cuda_fallback_to_cpu: bool = False
+    # weights from a file (worker/weights.py): "mmap" shares one copy between workers
+    weights: Literal["load", "mmap"] = "load"
+    weights_file: str | None = Field(default=None, min_length=1, description=(
+        ".safetensors, .pt or .pth state dict; relative to the file, or package:NAME/PATH"))
     # requests
     timeout: float = Field(default=30.0, gt=0, description="default request deadline, seconds")
     max_queue: int = Field(default=1024, ge=1)
@@ -179,6 +183,10 @@ class ModelConfig(_Strict):
                 raise ValueError("every core set in 'cores' needs at least one core")
         if self.ready_min is not None and self.ready_min > self.workers:
             raise ValueError(f"ready_min {self.ready_min} is more than the {self.workers} workers")
+        if self.weights == "mmap" and self.weights_file is None:
+            raise ValueError("weights = \"mmap\" needs a weights_file to map")
+        if self.weights_file is not None and self.source.startswith("torchscript:"):
+            raise ValueError("weights_file needs a python: or export: source (an nn.Module)")
         if self.warmup > 0 and not self.inputs and self.probe.input is None:
             raise ValueError("warm-up needs an example input: declare 'inputs' or 'probe.input' "
                              "(or set warmup = 0)")
