@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import zmq
 
 from tests.faulty import reference
 from tests.helpers import ROOT, Daemon, faulty_model, poll_until
@@ -144,25 +145,47 @@ def kill_and_restart_under_load(first: Daemon, second: Daemon, load_done: Callab
 
 
 def _client_main() -> None:
-    """The load client of the namespace test: runs until the stop file exists."""
+    """The client of the namespace test, in its own network namespace: ``--requests N`` sends N
+    requests and reports; without it, a load of ``--threads`` threads runs until the stop file
+    exists. Either way the last line is one JSON object of counts."""
     parser = argparse.ArgumentParser()
     parser.add_argument("endpoints")
     parser.add_argument("--server-key")
     parser.add_argument("--client-key")
-    parser.add_argument("--stop-file", required=True)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--requests", type=int)
+    parser.add_argument("--stop-file")
     parser.add_argument("--threads", type=int, default=4)
     args = parser.parse_args()
     from modelwarden.shared.client import Client
 
-    idle = __import__("zmq").Poller()
-    with Client(args.endpoints, timeout=30.0, server_key=args.server_key,
+    with Client(args.endpoints, timeout=args.timeout, server_key=args.server_key,
                 client_key=args.client_key) as client:
-        load = Load(client, args.threads)
-        with load:
-            print("started", flush=True)
-            while not os.path.exists(args.stop_file):
-                idle.poll(100)
-        print(json.dumps({**load.summary(), "health": client.health()}), flush=True)
+        summary = _requests(client, args.requests) if args.requests else _load(client, args)
+        summary["health"] = client.health() if hasattr(client, "health") else {}
+    print(json.dumps(summary), flush=True)
+
+
+def _requests(client, count: int) -> dict:
+    outcomes: dict[str, int] = {}
+    for seed in range(count):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        try:
+            right = torch.allclose(client.infer(MODEL, x), reference(x), rtol=1e-4, atol=1e-5)
+            outcome = "ok" if right else "wrong"
+        except Exception as exc:
+            outcome = type(exc).__name__
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return {"outcomes": outcomes}
+
+
+def _load(client, args) -> dict:
+    idle = zmq.Poller()
+    with Load(client, args.threads) as load:
+        print("started", flush=True)
+        while not os.path.exists(args.stop_file):
+            idle.poll(100)
+    return load.summary()
 
 
 if __name__ == "__main__":
