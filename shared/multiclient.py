@@ -7,8 +7,9 @@ is. The policy (health, least outstanding requests, once-only re-sends) is share
 this module owns the sockets.
 
 One background I/O thread owns one DEALER per endpoint, a socket monitor per DEALER (a dropped
-connection is seen at once) and the heartbeats (a ``hello`` every ``heartbeat_interval``; a
-daemon silent for ``heartbeat_timeout`` is DOWN). ``infer`` and ``submit`` from any thread hand
+connection, or a refused CURVE handshake, is seen at once) and the heartbeats (a ``hello`` every
+``heartbeat_interval``; a daemon silent for ``heartbeat_timeout`` is DOWN: a stopped or hung
+daemon, or a cut link, drops no connection). ``infer`` and ``submit`` from any thread hand
 requests to it; ``infer`` waits for the future.
 
 What the caller sees:
@@ -196,15 +197,11 @@ class _Link:
         self.socket: zmq.Socket | None = None
         self.monitor: zmq.Socket | None = None
 
-    def open(self, context: zmq.Context, heartbeat_interval: float, heartbeat_timeout: float) -> None:
+    def open(self, context: zmq.Context) -> None:
         socket = context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.SNDHWM, 0)
         socket.setsockopt(zmq.RCVHWM, 0)
-        # ZMTP heartbeats: libzmq drops a connection whose peer went silent (a cut cable sends
-        # no reset), so the monitor sees it.
-        socket.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_interval * 1000))
-        socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
         if self.curve is not None:
             make_curve_client(socket, self.curve)
         self.monitor = socket.get_monitor_socket(CONNECTION_LOST)
@@ -260,7 +257,7 @@ class _BalancingThread(threading.Thread):
         poller.register(self._wake_read, zmq.POLLIN)
         by_socket: dict[zmq.Socket, Callable[[], None]] = {}
         for link in self.links.values():
-            link.open(self.context, self.balancer.heartbeat_interval, self.balancer.heartbeat_timeout)
+            link.open(self.context)
             poller.register(link.socket, zmq.POLLIN)
             poller.register(link.monitor, zmq.POLLIN)
             by_socket[link.socket] = lambda link=link: self._take_replies(link)

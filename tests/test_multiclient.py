@@ -5,7 +5,7 @@ another daemon on OVERLOADED, and never runs a request more than twice (POISON).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import signal
 
 import pytest
 import torch
@@ -27,7 +27,8 @@ def keys(tmp_path_factory) -> FleetKeys:
 
 @pytest.fixture
 def pair(keys):
-    daemons = [fleet_daemon(keys, f"tcp://127.0.0.1:{free_port()}") for _ in range(2)]
+    daemons = [fleet_daemon(keys, f"tcp://127.0.0.1:{free_port()}", [fleet_model(version=name)])
+               for name in ("first", "second")]
     try:
         for daemon in daemons:
             daemon.start()
@@ -84,6 +85,27 @@ def test_sigkill_one_daemon_under_load_fails_nothing_and_a_restart_takes_load_ag
                                                   restart=lambda daemon: daemon.start())
     assert summary["failed"] == 0 and summary["wrong"] == 0, summary
     assert summary["sent"] == summary["ok"] > 200, summary
+
+
+def test_a_silent_daemon_is_down_after_its_heartbeats_and_up_once_it_answers(pair, keys):
+    """SIGSTOP keeps the connection open (the kernel still ACKs): only the heartbeats see it."""
+    silent, other = pair
+    with Client(endpoints(pair), timeout=30.0, heartbeat_interval=0.2, heartbeat_timeout=1.0,
+                **keys.alice()) as client:
+        both_up(client)
+        silent.process.send_signal(signal.SIGSTOP)
+        try:
+            futures = [client.submit(MODEL, torch.randn(2, 8)) for _ in range(10)]
+            poll_until(lambda: client.health()[silent.tcp] == "DOWN", 10,
+                       message="the stopped daemon marked DOWN")
+            for future in futures:  # those it held were re-sent to the other
+                assert future.result(30).shape == (2, 8)
+        finally:
+            silent.process.send_signal(signal.SIGCONT)
+        poll_until(lambda: client.health()[silent.tcp] == "UP", 10, message="back UP")
+        replies = [future.result(30) for future in
+                   [client.submit(MODEL, torch.randn(2, 8), details=True) for _ in range(20)]]
+        assert {reply.version for reply in replies} == {"first", "second"}  # used again
 
 
 def test_overloaded_from_one_daemon_tries_the_other(keys):
