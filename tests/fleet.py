@@ -57,6 +57,8 @@ class FleetKeys:
 
 
 def fleet_model(**extra: Any) -> dict:
+    """20 ms a request: under load a daemon always holds some, so a kill always loses some."""
+    extra.setdefault("kwargs", {"fault": "slow", "delay": 0.02})
     return faulty_model(MODEL, "none", workers=1, probe={"interval": 0}, **extra)
 
 
@@ -130,6 +132,8 @@ def kill_and_restart_under_load(first: Daemon, second: Daemon, load_done: Callab
     was seen, for the caller's asserts."""
     poll_until(lambda: served(first) >= 20 and served(second) >= 20, 60,
                message="both daemons serving the load")
+    poll_until(lambda: first.status()["daemon"]["pending"] > 0, 30,
+               message="the daemon to kill holding requests")
     first.process.kill()
     first.process.wait(30)
     after_kill = served(second)

@@ -168,3 +168,15 @@ def test_refusals_do_not_count_as_runs_for_the_once_only_rule(clock):
 def test_an_endpoint_listed_twice_is_an_error(clock):
     with pytest.raises(ValueError, match="listed twice"):
         Balancer([A, A], clock)
+
+
+def test_the_least_busy_endpoint_wins_whatever_the_rotation(clock):
+    balancer = balancer_with(clock, endpoints=(A, B, C), up=(A, B, C))
+    tickets = [balancer.add(key, 10) for key in range(6)]
+    for ticket in tickets:
+        balancer.route(ticket)
+    for ticket in tickets:
+        if ticket.held_by == [C]:
+            balancer.finished(ticket)
+    assert [balancer.route(balancer.add(key, 10)) for key in (10, 11)] == [C, C]
+    assert balancer.outstanding(A) == balancer.outstanding(B) == balancer.outstanding(C) == 2
