@@ -32,6 +32,13 @@ server_key="server.key", client_key="me.key_secret")`` (or MODELWARDEN_SERVER_KE
 MODELWARDEN_CLIENT_KEY); see modelwarden.shared.curve. A wrong or missing key gets no answer
 at all, so it shows as a Timeout.
 
+Several daemons. ``Client(["tcp://a:5555", "tcp://b:5555"], ...)`` (or commas in the string, or
+in MODELWARDEN_ENDPOINT) returns a MultiClient (shared/multiclient.py) with the same methods: each
+request goes to the healthy daemon with the fewest outstanding requests; a daemon that stops
+answering heartbeats or drops its connection is set aside and its requests are re-sent once to
+another (a request runs at most twice: Poison after a second loss); OVERLOADED tries another
+daemon first. docs/PROTOCOL.md section 11 has the rules. One endpoint: nothing of that is loaded.
+
 Errors. A failed request raises a subclass of RemoteError whose ``code`` is the protocol's error
 code (``BadInput``, ``ModelError``, ``Timeout``...). A daemon that does not answer within the
 timeout (plus a grace second) raises Timeout too, saying so. An ``ipc://`` socket that exists
