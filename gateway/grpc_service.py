@@ -137,12 +137,15 @@ def encode_response(request, version: str, outputs: list) -> "pb.ModelInferRespo
     return response
 
 
-def make_server(service: InferenceService, max_message_bytes: int) -> grpc.aio.Server:
-    server = grpc.aio.server(options=[
+def make_server(max_message_bytes: int) -> grpc.aio.Server:
+    """A server with no service yet: its port can be bound (and fail) before anything else."""
+    return grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         # One gateway per port: a second process must fail to bind, not share the port.
         ("grpc.so_reuseport", 0),
     ])
+
+
+def add_service(server: grpc.aio.Server, service: InferenceService) -> None:
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(service), server)
-    return server

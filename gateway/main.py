@@ -81,36 +81,35 @@ def _address(host: str, port: int) -> str:
 async def _serve(spec, pipe) -> None:
     import uvicorn
 
-    from modelwarden.gateway.grpc_service import make_server
+    from modelwarden.gateway import grpc_service
     from modelwarden.gateway.http import make_app
-    from modelwarden.gateway.service import InferenceService
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    service = InferenceService(spec.frontend)
+    # Listeners first: a port in use fails the start in milliseconds, before torch is loaded.
     bound: dict[str, str | None] = {"http": None, "grpc": None}
-    http_server, http_task, grpc_server = None, None, None
+    sock, grpc_server = None, None
+    if spec.http:
+        sock = _listening_socket(spec.http)
+        bound["http"] = _address(*sock.getsockname()[:2])
+    if spec.grpc:
+        grpc_server = grpc_service.make_server(spec.max_message_bytes)
+        bound["grpc"] = _bind_grpc(grpc_server, spec.grpc)
+
+    from modelwarden.gateway.service import InferenceService  # imports torch
+
+    service = InferenceService(spec.frontend)
+    http_server, http_task = None, None
     try:
-        if spec.http:
-            sock = _listening_socket(spec.http)
-            bound["http"] = _address(*sock.getsockname()[:2])
+        if sock is not None:
             http_server = _uvicorn_server(uvicorn.Config(
                 make_app(service, spec.max_message_bytes), http=_http_protocol(), lifespan="off",
                 log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
-        if spec.grpc:
-            grpc_server = make_server(service, spec.max_message_bytes)
-            host, _ = parse_host_port(spec.grpc)
-            try:
-                port = grpc_server.add_insecure_port(spec.grpc)
-            except RuntimeError as exc:
-                raise OSError(f"cannot listen on {spec.grpc} (grpc): {exc}") from None
-            if not port:
-                raise OSError(f"cannot listen on {spec.grpc} (grpc)")
-            bound["grpc"] = _address(host, port)
-            await grpc_server.start()
-        if http_server is not None:
             await _started(http_server, http_task)
+        if grpc_server is not None:
+            grpc_service.add_service(grpc_server, service)
+            await grpc_server.start()
         pipe.send_bytes(json.dumps(bound).encode())
         pipe.close()
         logger.info("gateway serving: %s", ", ".join(f"{kind} {address}" for kind, address in
@@ -125,6 +124,17 @@ async def _serve(spec, pipe) -> None:
         if grpc_server is not None:
             await grpc_server.stop(SHUTDOWN_GRACE_S)
         await service.close()
+
+
+def _bind_grpc(server, address: str) -> str:
+    host, _ = parse_host_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # recent grpcio raises; older ones return 0
+        raise OSError(f"cannot listen on {address} (grpc): {exc}") from None
+    if not port:
+        raise OSError(f"cannot listen on {address} (grpc)")
+    return _address(host, port)
 
 
 def _http_protocol() -> str:
