@@ -209,6 +209,10 @@ def test_a_large_tensor_goes_through_shared_memory_and_back(daemon):
     array = np.random.default_rng(3).standard_normal((1024, 1024), dtype=np.float32)  # 4 MiB
     result = infer(client, grpcclient, "echo", {"in": array}, {"in": "FP32"})
     assert np.array_equal(result.as_numpy("output__0"), array)
+    # The gateway registered a buffer with the daemon, and the echo worker mapped it.
+    assert daemon.status()["daemon"]["buffers"] >= 1
+    echo_pid = daemon.workers("echo", "READY")[0]["pid"]
+    assert "memfd:modelwarden" in Path(f"/proc/{echo_pid}/maps").read_text()
 
 
 @pytest.mark.parametrize("kind,module,status", [("http", httpclient, "504"),
