@@ -7,14 +7,14 @@ STAMP   := $(VENV)/.installed-stamp
 TORCH   ?= torch==2.13.0
 CONFIG  ?= examples/modelwarden.toml
 
-.PHONY: install run test test-fast test-systemd bench bench-serving soak mutants lint clean
+.PHONY: stubs install run test test-fast test-systemd bench bench-serving soak mutants lint clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,deploy]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,gateway,gateway-test,deploy]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -44,6 +44,10 @@ soak: $(STAMP)
 # Not part of `make test`: breaks each mechanism on purpose and checks its tests fail.
 mutants: $(STAMP)
 	$(PY) bench/mutants.py
+
+# The KServe v2 gRPC stubs from gateway/proto/grpc_predict_v2.proto (committed; a test compares).
+stubs: $(STAMP)
+	$(PY) gateway/proto/regenerate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
