@@ -132,3 +132,14 @@ def test_ports_probes_and_mounts_match_the_configuration():
     services = {doc["metadata"]["name"]: doc for doc in every_document() if doc["kind"] == "Service"}
     assert services["modelwarden-pods"]["spec"]["clusterIP"] == "None"  # one address per pod
     assert {port["targetPort"] for port in services["modelwarden"]["spec"]["ports"]} == {"http", "grpc"}
+
+
+def test_the_configmap_is_a_configuration_the_daemon_accepts(tmp_path):
+    from modelwarden.shared.config import check_exposure, load_settings
+
+    path = tmp_path / "modelwarden.toml"
+    path.write_text(find("ConfigMap", "modelwarden-config")["data"]["modelwarden.toml"])
+    settings = load_settings(path)
+    check_exposure(settings)  # tcp on 0.0.0.0 is CURVE, the gateway's exposure is declared
+    assert settings.daemon.curve is not None
+    assert [model.name for model in settings.models] == ["mlp"]
