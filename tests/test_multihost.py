@@ -210,7 +210,6 @@ def test_no_key_or_a_wrong_key_gets_nothing_and_the_daemons_log_it(network, daem
         assert any(key in refused[0] for key in mallory.split('"') if len(key) == 40), refused
 
 
-@pytest.mark.slow
 def test_sigkill_one_daemon_under_load_then_restart_it(network, daemons, keys, tmp_path):
     stop = tmp_path / "stop"
     load = client(network, "--threads", "4", "--stop-file", str(stop), *key_args(keys))
