@@ -5,6 +5,7 @@ another daemon on OVERLOADED, and never runs a request more than twice (POISON).
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import pytest
@@ -16,7 +17,7 @@ from modelwarden.shared.multiclient import MultiClient
 from tests.faulty import reference
 from tests.fleet import (MODEL, FleetKeys, Load, fleet_daemon, fleet_model,
                          kill_and_restart_under_load, served)
-from tests.helpers import poll_until
+from tests.helpers import Daemon, memfd_holders, poll_until
 from tests.test_curve import free_port
 
 
@@ -198,3 +199,25 @@ def burst(client, x: torch.Tensor, count: int) -> list:
         except Exception as exc:
             outcomes.append(exc)
     return outcomes
+
+
+def test_several_ipc_daemons_use_shared_memory_each(keys):
+    daemons = [Daemon([fleet_model(version=name)]) for name in ("first", "second")]
+    try:
+        for daemon in daemons:
+            daemon.start()
+        for daemon in daemons:
+            daemon.wait_ready()
+        with Client([daemon.endpoint for daemon in daemons]) as client:
+            both_up(client)
+            xs = [torch.randn(8192, 8) for _ in range(8)]  # 256 KiB: over the shm threshold
+            futures = [client.submit(MODEL, x, details=True) for x in xs]
+            replies = [future.result(60) for future in futures]
+            assert client.hello()["shm"]["enabled"] is True
+            assert os.getpid() in memfd_holders()  # the inputs went through our buffers
+        for x, reply in zip(xs, replies):
+            assert torch.allclose(reply.outputs, reference(x), rtol=1e-4, atol=1e-5)
+        assert {reply.version for reply in replies} == {"first", "second"}
+    finally:
+        for daemon in daemons:
+            daemon.cleanup()
