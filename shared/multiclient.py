@@ -404,6 +404,9 @@ class _BalancingThread(threading.Thread):
     def _lose(self, endpoint: str, why: str) -> None:
         resend, fail = self.balancer.lost(endpoint, why)
         self._publish_health()
+        if resend or fail:
+            logger.warning("daemon %s lost: %d request(s) re-sent, %d failed POISON (lost twice)",
+                           endpoint, len(resend), len(fail))
         for ticket in fail:
             self._fail(self.requests[ticket.key], Poison(
                 f"the request was in flight on two daemons that were both lost (the last: "
