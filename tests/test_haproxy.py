@@ -4,6 +4,10 @@ is SIGKILLed and restarted. Every failure the client meets is either retried und
 docs/SCALING.md ("Retry policy for clients behind a load balancer") or counted as a failure; the
 test wants 0 failures.
 
+tritonclient's HTTP transport (geventhttpclient) itself re-sends a request whose keep-alive
+connection closed before the response; what it does not absorb reaches RetryingClient, whose
+retries are printed (``-s``).
+
 The balancer passes the byte stream through untouched (mode tcp): TLS or CURVE would go through
 the same way. Skips without the haproxy binary (apt-get install haproxy) or the gateway extras."""
 
