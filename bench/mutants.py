@@ -362,6 +362,24 @@ MUTATIONS = [
        "tests/test_minilm.py::test_the_shipped_config_serves_embeddings_batches_them_and_its_probe_passes")),
     M("unpinned-forget", "worker/segments.py", "                self.pinner.unpin(segment)", "                pass",
       ("tests/test_gpu_check.py::test_a_cuda_worker_pins_each_client_buffer_while_it_holds_it",)),
+    # -- several daemons (issue 12) ----------------------------------------------------------------
+    M("fleet-resend", "shared/balancer.py",
+      "(resend if ticket.runs < RUNS_AT_MOST else fail).append(ticket)", "fail.append(ticket)",
+      ("tests/test_multiclient.py::test_sigkill_one_daemon_under_load_fails_nothing_and_a_restart_takes_load_again",)),
+    M("fleet-heartbeat-silence", "shared/balancer.py",
+      "            if sent is not None and now - sent >= self.heartbeat_timeout:", "            if False:",
+      ("tests/test_multiclient.py::test_a_silent_daemon_is_down_after_its_heartbeats_and_up_once_it_answers",)),
+    M("fleet-runs-twice", "shared/balancer.py", "RUNS_AT_MOST = 2", "RUNS_AT_MOST = 3",
+      ("tests/test_multiclient.py::test_a_request_whose_two_daemons_die_is_poison_and_not_sent_a_third_time",
+       "tests/test_unit_balancer.py::test_a_lost_endpoints_requests_are_resent_once_then_poison")),
+    M("fleet-overloaded", "shared/multiclient.py",
+      "NOT_RUN = {protocol.OVERLOADED, protocol.SHUTTING_DOWN, protocol.NO_WORKER}",
+      "NOT_RUN = {protocol.SHUTTING_DOWN, protocol.NO_WORKER}",
+      ("tests/test_multiclient.py::test_overloaded_from_one_daemon_tries_the_other",)),
+    M("fleet-least-outstanding", "shared/balancer.py",
+      "            if best is None or len(state.outstanding) < len(best.outstanding):",
+      "            if best is None:",
+      ("tests/test_unit_balancer.py::test_the_least_busy_endpoint_wins_whatever_the_rotation",)),
 ]
 
 

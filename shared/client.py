@@ -32,6 +32,13 @@ server_key="server.key", client_key="me.key_secret")`` (or MODELWARDEN_SERVER_KE
 MODELWARDEN_CLIENT_KEY); see modelwarden.shared.curve. A wrong or missing key gets no answer
 at all, so it shows as a Timeout.
 
+Several daemons. ``Client(["tcp://a:5555", "tcp://b:5555"], ...)`` (or commas in the string, or
+in MODELWARDEN_ENDPOINT) returns a MultiClient (shared/multiclient.py) with the same methods: each
+request goes to the healthy daemon with the fewest outstanding requests; a daemon that stops
+answering heartbeats or drops its connection is set aside and its requests are re-sent once to
+another (a request runs at most twice: Poison after a second loss); OVERLOADED tries another
+daemon first. docs/PROTOCOL.md section 11 has the rules. One endpoint: nothing of that is loaded.
+
 Errors. A failed request raises a subclass of RemoteError whose ``code`` is the protocol's error
 code (``BadInput``, ``ModelError``, ``Timeout``...). A daemon that does not answer within the
 timeout (plus a grace second) raises Timeout too, saying so. An ``ipc://`` socket that exists
@@ -151,15 +158,46 @@ def _deadline_error(endpoint: str, timeout: float) -> Timeout:
                    "(is it running? is it overloaded?)")
 
 
+def _several_endpoints(endpoint: str | list[str] | None) -> list[str] | None:
+    """The endpoints when there are several (a list, or commas); None for one: then nothing of
+    the multi-endpoint client (shared/multiclient.py) is imported."""
+    endpoint = endpoint or default_endpoint()
+    if isinstance(endpoint, str) and "," not in endpoint:
+        return None
+    from modelwarden.shared.multiclient import split_endpoints
+
+    endpoints = split_endpoints(endpoint)
+    return endpoints if len(endpoints) > 1 else None
+
+
+def _one_endpoint(endpoint: str | list[str] | None) -> str:
+    if endpoint is not None and not isinstance(endpoint, str):
+        endpoint = endpoint[0]  # a list of one
+    return (endpoint or default_endpoint()).strip(" ,")
+
+
 # -- the synchronous client ---------------------------------------------------------------------
 
 
 class Client:
-    def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0,
+    """One daemon; given several endpoints, ``Client(...)`` makes a MultiClient instead
+    (shared/multiclient.py: least outstanding requests, heartbeats, once-only re-sends)."""
+
+    def __new__(cls, endpoint: str | list[str] | None = None, **options: Any):
+        endpoints = _several_endpoints(endpoint)
+        if endpoints is not None:
+            from modelwarden.shared.multiclient import MultiClient
+
+            return MultiClient(endpoints, **options)
+        return super().__new__(cls)
+
+    def __init__(self, endpoint: str | list[str] | None = None, *, timeout: float = 30.0,
                  shm: bool | None = None, copy_outputs: bool = False,
                  server_key: str | os.PathLike | None = None,
-                 client_key: str | os.PathLike | None = None) -> None:
-        self.endpoint = endpoint or default_endpoint()
+                 client_key: str | os.PathLike | None = None,
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0) -> None:
+        # heartbeat_*: used only with several endpoints (a MultiClient is made instead).
+        self.endpoint = _one_endpoint(endpoint)
         self.timeout = timeout
         self._curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
@@ -382,13 +420,23 @@ class _IOThread(threading.Thread):
 
 
 class AsyncClient:
-    """``await client.infer(model, inputs)`` from one event loop; many requests in flight."""
+    """``await client.infer(model, inputs)`` from one event loop; many requests in flight.
+    Given several endpoints, an AsyncMultiClient is made instead (shared/multiclient.py)."""
 
-    def __init__(self, endpoint: str | None = None, *, timeout: float = 30.0,
+    def __new__(cls, endpoint: str | list[str] | None = None, **options: Any):
+        endpoints = _several_endpoints(endpoint)
+        if endpoints is not None:
+            from modelwarden.shared.multiclient import AsyncMultiClient
+
+            return AsyncMultiClient(endpoints, **options)
+        return super().__new__(cls)
+
+    def __init__(self, endpoint: str | list[str] | None = None, *, timeout: float = 30.0,
                  shm: bool | None = None, copy_outputs: bool = False,
                  server_key: str | os.PathLike | None = None,
-                 client_key: str | os.PathLike | None = None) -> None:
-        self.endpoint = endpoint or default_endpoint()
+                 client_key: str | os.PathLike | None = None,
+                 heartbeat_interval: float = 1.0, heartbeat_timeout: float = 5.0) -> None:
+        self.endpoint = _one_endpoint(endpoint)
         check_ipc_endpoint(self.endpoint)  # EACCES now, not a timeout later
         self.timeout = timeout
         curve = client_keys(self.endpoint, server_key, client_key)

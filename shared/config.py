@@ -116,6 +116,9 @@ class ModelConfig(_Strict):
     threads: int | None = Field(default=None, ge=1)
     warmup: int = Field(default=20, ge=0)
     inputs: list[InputSpec] | None = None
+    # Names, dtypes and shapes of the outputs, in the order the model returns them: what the
+    # KServe v2 gateway reports and names its outputs by (default output__0, output__1...).
+    outputs: list[InputSpec] | None = None
     reject_nonfinite: bool = False
     cuda_fallback_to_cpu: bool = False
     # weights from a file (worker/weights.py): "mmap" shares one copy between workers
@@ -303,12 +306,47 @@ def is_exposed_tcp(endpoint: str) -> bool:
         return True
 
 
+class GatewayConfig(_Strict):
+    """``[gateway]``: the KServe v2 (Open Inference Protocol) gateway process (gateway/)."""
+
+    http: str | None = None  # "HOST:PORT" of the REST endpoint; absent: no REST
+    grpc: str | None = None  # "HOST:PORT" of inference.GRPCInferenceService; absent: no gRPC
+    allow_public: bool = False  # listen on a non-loopback address (see docs/OPERATIONS.md)
+    max_message_bytes: int | None = Field(default=None, ge=1, description=(
+        "largest request body or gRPC message; default: the daemon's max_message_bytes"))
+
+    @field_validator("max_message_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int | None:
+        return parse_size(value)
+
+    @field_validator("http", "grpc")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+    @model_validator(mode="after")
+    def _exposure(self) -> "GatewayConfig":
+        # The gateway has no authentication: like metrics, loopback unless the operator says.
+        if not self.http and not self.grpc:
+            raise ValueError("[gateway] needs http = \"HOST:PORT\" or grpc = \"HOST:PORT\" (or "
+                             "remove the section)")
+        for address in (self.http, self.grpc):
+            if address and not self.allow_public and not is_loopback(parse_host_port(address)[0]):
+                raise ValueError(f"{address!r} is reachable from other hosts and the gateway has "
+                                 "no authentication; use 127.0.0.1:PORT, or set allow_public = true")
+        return self
+
+
 class Settings(BaseSettings):
-    """The whole file: ``[daemon]`` and ``[[models]]``."""
+    """The whole file: ``[daemon]``, ``[[models]]`` and the optional ``[gateway]``."""
 
     model_config = SettingsConfigDict(extra="forbid", frozen=True)
 
     daemon: DaemonConfig = Field(default_factory=DaemonConfig)
+    gateway: GatewayConfig | None = None
     models: list[ModelConfig] = Field(default_factory=list)
     config_path: Path | None = None
 

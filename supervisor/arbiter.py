@@ -35,7 +35,7 @@ from modelwarden.shared.config import ConfigError, ModelConfig, Settings, Worker
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
                                          UNKNOWN_MODEL, ProtocolError)
 from modelwarden.shared.states import WorkerState
-from modelwarden.supervisor import accesslog, auth
+from modelwarden.supervisor import accesslog, auth, gateway
 from modelwarden.supervisor.buffers import BufferRegistry
 from modelwarden.supervisor.channel import ChannelServer
 from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
@@ -106,6 +106,7 @@ class Arbiter:
         self._wakeup_read, self._wakeup_write = socket.socketpair()
         self.telemetry = None  # supervisor/metrics.py, when [daemon] metrics is set
         self.metrics_server = None
+        self.gateway = None  # supervisor/gateway.py's GatewayKeeper, when [gateway] is set
 
     def _judge_for(self, model: ModelConfig) -> ProbeJudge:
         return ProbeJudge(model.probe, self._golden_file(model))
@@ -120,6 +121,8 @@ class Arbiter:
     # -- life -------------------------------------------------------------------------------
 
     def run(self) -> int:
+        if self.settings.gateway is not None and gateway.check_installed():
+            raise DaemonError(gateway.check_installed())
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         claim_private_dir(self.settings.private_dir)
@@ -136,6 +139,7 @@ class Arbiter:
             self.timers.call_at(now, self._watchdog)
         for pool in self.pools.values():
             pool.start_all()
+        self._start_gateway()
         logger.info("modelwarden %s serving %s on %s (control %s, admin %s)", __version__,
                     ", ".join(self.pools) or "no models", " ".join(self.settings.frontends),
                     self.settings.control_endpoint, self.settings.admin_endpoint)
@@ -149,7 +153,9 @@ class Arbiter:
         return self.exit_code
 
     def _loop(self) -> None:
-        while not (self.stopping and not self._by_sentinel):
+        # The gateway goes last: it answers its callers until every worker has left.
+        while not (self.stopping and not self._by_sentinel
+                   and (self.gateway is None or self.gateway.stop_last())):
             due = self.timers.next_due()
             timeout = None if due is None else max(0, math.ceil((due - self.clock()) * 1000))
             for item, _ in self.poller.poll(timeout):
@@ -171,6 +177,13 @@ class Arbiter:
             handler()
         except Exception:
             logger.exception("unexpected error in %s", getattr(handler, "__name__", handler))
+
+    def _start_gateway(self) -> None:
+        if self.settings.gateway is not None:
+            self.gateway = gateway.GatewayKeeper(
+                gateway.gateway_spec(self.settings, self.pid), watch=self._on, unwatch=self._off,
+                call_at=self.timers.call_at, cancel=self.timers.cancel, clock=self.clock)
+            self.gateway.start()
 
     def _start_observers(self) -> None:
         """The access log and the metrics endpoint: each one only when configured (the metrics
@@ -279,6 +292,8 @@ class Arbiter:
             handle.process.join(5)
             handle.exitcode = handle.process.exitcode
         signal.set_wakeup_fd(-1)
+        if self.gateway is not None:
+            self.gateway.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
         if self.buffer_channel is not None:
@@ -383,11 +398,21 @@ class Arbiter:
         daemon = self.settings.daemon
         return {"protocol": protocol.PROTOCOL_VERSION, "version": __version__,
                 "models": [{"name": pool.name, "workers": len(pool.slots),
-                            "inputs": [spec.model_dump() for spec in pool.config.inputs or []]}
+                            "inputs": [spec.model_dump() for spec in pool.config.inputs or []],
+                            **self._model_offer(pool)}
                            for pool in self.pools.values()],
+                "stopping": self.stopping,
                 "shm": {"enabled": self.shm_offered(index), "threshold": daemon.shm_threshold,
                         "channel": str(self.buffer_channel.path) if self.buffer_channel else None},
                 "max_message_bytes": daemon.max_message_bytes}
+
+    def _model_offer(self, pool: ModelPool) -> dict:
+        """What the gateway reports about a model: readiness, outputs, version, batching."""
+        config = pool.config
+        return {"ready": pool.ready_count(), "version": self.versions.of(config),
+                "outputs": [spec.model_dump() for spec in config.outputs or []],
+                "batch_dim": config.batching.dim if config.batching.enabled else None,
+                "timeout": config.timeout}
 
     def _on_control(self) -> None:
         self._control_message(self.control, recv_parts(self.control), admin=False)

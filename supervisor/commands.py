@@ -174,7 +174,8 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
                        "limits": limits_snapshot(arbiter),
                        "buffers": len(arbiter.registry)},
-            "models": models, "workers": workers}
+            "models": models, "workers": workers,
+            "gateway": arbiter.gateway.row() if arbiter.gateway is not None else None}
 
 
 def _batching_row(arbiter: "Arbiter", pool) -> dict | None:
@@ -255,6 +256,8 @@ def status_table(status: dict) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines.extend("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip()
                  for row in rows)
+    if status.get("gateway"):
+        lines.append(_gateway_text(status["gateway"]))
     for worker in status["workers"]:
         if worker.get("error") or (worker["state"] != "READY" and worker.get("last_exit")):
             error = f"; {worker['error']}" if worker.get("error") else ""
@@ -262,6 +265,13 @@ def status_table(status: dict) -> str:
                      if worker.get("retry_in_s") is not None else "")
             lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}{error}{retry}")
     return "\n".join(lines)
+
+
+def _gateway_text(gateway: dict) -> str:
+    listeners = ", ".join(f"{kind} {gateway[kind]}" for kind in ("http", "grpc") if gateway.get(kind))
+    exit_text = f", last exit {gateway['last_exit']}" if gateway.get("last_exit") else ""
+    return (f"gateway {gateway['state']}  pid {gateway['pid'] or '-'}  {listeners}  up "
+            f"{_duration(gateway['uptime_s'])}  restarts {gateway['restarts']}{exit_text}")
 
 
 def _batching_text(batching: dict | None) -> str:

@@ -17,12 +17,14 @@ Otherwise ``diff`` compares the running configuration with the new one, per mode
     ``warmup``, ``inputs``, the probe's input, the batch dimension, a slot's placement -- makes
     its workers **roll**: one slot at a time, the new worker READY before the old one drains;
   * the rest (``POLICY_FIELDS``: timeouts, queue and in-flight limits, retries, batching sizes,
-    restart policy, recycling limits, probe interval and tolerances) is supervisor-side policy
-    and applies at once, no worker restarted.
+    restart policy, recycling limits, probe interval and tolerances; the declared ``outputs``,
+    which only the gateway reads) is supervisor-side policy and applies at once, no worker
+    restarted.
 
 Daemon settings bind sockets, directories and every worker's environment when the daemon starts;
 except ``LIVE_DAEMON_FIELDS`` they cannot change under a running daemon, and a reload that changes
-one is refused, naming it ("needs a restart"), rather than half applied.
+one is refused, naming it ("needs a restart"), rather than half applied. So is a change to
+``[gateway]`` (its listeners are bound by its process at start).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ POLICY_FIELDS = frozenset({
     "timeout", "max_queue", "max_inflight", "retries", "heartbeat_timeout", "start_timeout",
     "start_seconds", "max_start_failures", "backoff_initial", "backoff_max", "kill_grace",
     "drain_timeout", "fatal_retry", "max_rss", "max_cuda_memory", "max_requests",
-    "max_requests_jitter"})
+    "max_requests_jitter", "outputs"})
 # Within nested tables: what the worker reads is the rest (probe.input and seed, batching.dim).
 POLICY_SUBFIELDS = {
     "probe": frozenset({"interval", "golden", "atol", "rtol", "range", "latency_factor",
@@ -78,8 +80,10 @@ def check_daemon_unchanged(old: Settings, new: Settings) -> None:
     before, after = old.daemon.model_dump(), new.daemon.model_dump()
     changed = sorted(key for key in before if key not in LIVE_DAEMON_FIELDS
                      and before[key] != after[key])
+    if old.gateway != new.gateway:
+        changed.append("gateway")
     if changed:
-        raise ConfigError(", ".join(f"daemon.{key}" for key in changed),
+        raise ConfigError(", ".join(key if key == "gateway" else f"daemon.{key}" for key in changed),
                           "changed, and applies only when the daemon starts: revert it, or "
                           "restart the daemon (systemctl restart modelwarden) to apply it")
 

@@ -131,3 +131,34 @@ def test_warmup_needs_an_input_spec(tmp_path):
     model = mlp_model(workers=1)
     del model["inputs"]
     assert_config_error(serve_check(write(tmp_path, [model])), "models[0]", "warm-up needs")
+
+
+def _with_gateway(tmp_path: Path, section: str, **model) -> Path:
+    path = write(tmp_path, [mlp_model(**model)])
+    path.write_text(path.read_text() + "\n[gateway]\n" + section)
+    return path
+
+
+def test_the_gateway_section_and_declared_outputs_load(tmp_path):
+    path = _with_gateway(tmp_path, 'http = "127.0.0.1:8000"\nmax_message_bytes = "64MiB"\n',
+                         outputs=[{"name": "logits", "dtype": "float32", "shape": [-1, 10]}])
+    settings = load_settings(path)
+    assert settings.gateway.http == "127.0.0.1:8000" and settings.gateway.grpc is None
+    assert settings.gateway.max_message_bytes == 64 * 1024**2
+    assert settings.models[0].outputs[0].name == "logits"
+    assert load_settings(write(tmp_path, [mlp_model()])).gateway is None
+
+
+@pytest.mark.parametrize("section,fragment", [
+    ('http = "0.0.0.0:8000"\n', "reachable from other hosts"),
+    ('grpc = "10.1.2.3:8001"\n', "reachable from other hosts"),
+    ("allow_public = true\n", "needs http"),
+    ('http = "8000"\n', "not HOST:PORT"),
+])
+def test_a_bad_gateway_section_is_one_clear_line(tmp_path, section, fragment):
+    assert_config_error(serve_check(_with_gateway(tmp_path, section)), "gateway", fragment)
+
+
+def test_a_public_gateway_needs_allow_public(tmp_path):
+    path = _with_gateway(tmp_path, 'http = "0.0.0.0:8000"\nallow_public = true\n')
+    assert load_settings(path).gateway.http == "0.0.0.0:8000"

@@ -1,0 +1,126 @@
+"""The REST half of the gateway: the KServe v2 HTTP/REST API as a Starlette app (uvicorn runs it).
+
+    GET  /v2/health/live                          200 while the gateway serves
+    GET  /v2/health/ready                         200 when every model has a READY worker, else 503
+    GET  /v2                                      server metadata (name, version, extensions)
+    GET  /v2/models/{name}[/versions/{v}]         model metadata
+    GET  /v2/models/{name}[/versions/{v}]/ready   200 ready, 503 not ready, 404 unknown
+    POST /v2/models/{name}[/versions/{v}]/infer   JSON tensors, or the binary data extension
+
+Errors are ``{"error": "CODE: message"}`` with the status of ``kserve.HTTP_STATUS``. A body is
+bounded before it is read: a Content-Length or an Inference-Header-Content-Length above
+``max_message_bytes`` is refused at once (413 / 400), and a chunked body is cut off at the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from modelwarden.gateway import kserve
+from modelwarden.gateway.service import InferenceService, error_of
+from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+TOO_LARGE = 413
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def make_app(service: InferenceService, max_body: int) -> Starlette:
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        is_ready = await service.ready()
+        return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse(service.server_metadata())
+
+    async def model_metadata(request: Request) -> Response:
+        params = request.path_params
+        try:
+            return JSONResponse(await service.model_metadata(params["name"], params.get("version")))
+        except Exception as exc:
+            return error_response(exc)
+
+    async def model_ready(request: Request) -> Response:
+        params = request.path_params
+        try:
+            is_ready = await service.model_ready(params["name"], params.get("version"))
+        except Exception as exc:
+            return error_response(exc)
+        return JSONResponse({"name": params["name"], "ready": is_ready},
+                            status_code=200 if is_ready else 503)
+
+    async def infer(request: Request) -> Response:
+        params = request.path_params
+        try:
+            return await _infer(service, request, params["name"], params.get("version"), max_body)
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except BodyTooLarge:
+            return error_response(ProtocolError(BAD_REQUEST, f"the request body exceeds the "
+                                                f"gateway's max_message_bytes ({max_body})"),
+                                  status=TOO_LARGE)
+        except Exception as exc:
+            return error_response(exc)
+
+    routes = [
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2/models/{name}", model_metadata, methods=["GET"]),
+        Route("/v2/models/{name}/versions/{version}", model_metadata, methods=["GET"]),
+        Route("/v2/models/{name}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{name}/versions/{version}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
+        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+async def _infer(service: InferenceService, request: Request, name: str, version: str | None,
+                 max_body: int) -> Response:
+    declared = request.headers.get("content-length")
+    body_length = int(declared) if declared is not None and declared.isdigit() else None
+    if body_length is not None and body_length > max_body:
+        raise BodyTooLarge()
+    json_length = kserve.header_length(request.headers.get(kserve.HEADER_LENGTH), body_length,
+                                       max_body)
+    body = await _read_body(request, max_body)
+    json_part, binary_part = kserve.split_body(body, json_length)
+    parsed = kserve.parse_infer_request(kserve.load_json(json_part), binary_part)
+    model_version, named = await service.infer(name, version, parsed.inputs, parsed.timeout_s)
+    outputs = kserve.select_outputs(named, parsed.outputs)
+    content, header_length = kserve.infer_response(name, model_version, parsed, outputs)
+    if header_length is None:
+        return Response(content, media_type="application/json")
+    return Response(content, media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(header_length)})
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def error_response(exc: BaseException, status: int | None = None) -> Response:
+    code, message = error_of(exc)
+    body = json.dumps({"error": kserve.error_text(code, message)})
+    return Response(body, status_code=status or kserve.http_status(code),
+                    media_type="application/json")

@@ -1,0 +1,445 @@
+"""The Open Inference Protocol (KServe v2) in pure functions: no sockets, no HTTP, no gRPC.
+
+What the REST and gRPC fronts (gateway/http.py, gateway/grpc_service.py) share:
+
+* datatype names: the protocol's ``BOOL, UINT8, INT8, INT16, INT32, INT64, FP16, BF16, FP32,
+  FP64`` <-> modelwarden's dtype names (shared/protocol.py ``DTYPES``) and torch dtypes. The
+  protocol's UINT16/32/64 and BYTES have no torch tensor to travel as: refused with BAD_INPUT.
+* tensors in: ``raw_tensor`` (raw bytes: the binary data extension, gRPC's raw_input_contents)
+  and ``json_tensor`` (a JSON ``data`` list, flat or nested, row-major) -> a torch tensor, after
+  checking the datatype name, the shape and that the data holds exactly shape's elements.
+* tensors out: ``tensor_datatype``, ``tensor_bytes`` (raw, little-endian, row-major) and
+  ``tensor_json`` (a flat list).
+* a REST request body: ``split_body`` (the ``Inference-Header-Content-Length`` split),
+  ``parse_infer_request`` (inputs, requested outputs, id, parameters), ``infer_response``.
+* errors: every failure is a ``ProtocolError(code, message)`` with one of modelwarden's error
+  codes; ``HTTP_STATUS`` and ``GRPC_STATUS`` map a code to the status the caller sees, and
+  ``error_text`` is what the caller reads: the code, then the message (never a traceback).
+
+Torch is imported here because tensors go to the native client as torch tensors (numpy has no
+bfloat16); this module is the gateway's alone, never the supervisor's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from modelwarden.shared import protocol
+from modelwarden.shared.protocol import (BAD_INPUT, BAD_REQUEST, INTERNAL, MODEL_ERROR, NO_WORKER,
+                                         OUT_OF_MEMORY, OVERLOADED, POISON, SHUTTING_DOWN, TIMEOUT,
+                                         UNKNOWN_MODEL, WORKER_DIED, ProtocolError)
+
+# protocol datatype <-> modelwarden dtype name (shared/protocol.py DTYPES)
+DATATYPES: dict[str, str] = {
+    "BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32",
+    "INT64": "int64", "FP16": "float16", "BF16": "bfloat16", "FP32": "float32", "FP64": "float64",
+}
+DTYPE_DATATYPES: dict[str, str] = {dtype: name for name, dtype in DATATYPES.items()}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16,
+    "INT32": torch.int32, "INT64": torch.int64, "FP16": torch.float16, "BF16": torch.bfloat16,
+    "FP32": torch.float32, "FP64": torch.float64,
+}
+DATATYPE_OF_TORCH: dict[torch.dtype, str] = {value: key for key, value in TORCH_DTYPES.items()}
+# JSON values are parsed by numpy first; BF16 has no numpy type and goes through float32.
+_JSON_NUMPY: dict[str, np.dtype] = {
+    name: np.dtype("float32" if name == "BF16" else DATATYPES[name]) for name in DATATYPES}
+_JSON_KINDS: dict[str, tuple[type, ...]] = {"BOOL": (bool,), "FP16": (int, float), "BF16": (int, float),
+                                            "FP32": (int, float), "FP64": (int, float)}
+
+HTTP_STATUS: dict[str, int] = {
+    BAD_REQUEST: 400, BAD_INPUT: 400, UNKNOWN_MODEL: 404, OVERLOADED: 503, NO_WORKER: 503,
+    SHUTTING_DOWN: 503, TIMEOUT: 504, MODEL_ERROR: 500, WORKER_DIED: 500, POISON: 500,
+    INTERNAL: 500, OUT_OF_MEMORY: 500,
+}
+GRPC_STATUS: dict[str, str] = {  # names of grpc.StatusCode: this module does not import grpc
+    BAD_REQUEST: "INVALID_ARGUMENT", BAD_INPUT: "INVALID_ARGUMENT", UNKNOWN_MODEL: "NOT_FOUND",
+    OVERLOADED: "UNAVAILABLE", NO_WORKER: "UNAVAILABLE", SHUTTING_DOWN: "UNAVAILABLE",
+    TIMEOUT: "DEADLINE_EXCEEDED", MODEL_ERROR: "INTERNAL", WORKER_DIED: "INTERNAL",
+    POISON: "INTERNAL", INTERNAL: "INTERNAL", OUT_OF_MEMORY: "INTERNAL",
+}
+if set(HTTP_STATUS) != set(protocol.ERROR_CODES) or set(GRPC_STATUS) != set(protocol.ERROR_CODES):
+    raise ImportError("gateway.kserve must map every modelwarden error code")
+
+# A tensor over a request body's bytes is only read (the client copies or sends it); torch warns
+# once that the buffer is read-only, which says nothing we act on.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+MAX_DIMS = 32
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the native protocol's bound on timeout_ms
+HEADER_LENGTH = "inference-header-content-length"  # the binary data extension's HTTP header
+EXTENSIONS = ["binary_tensor_data"]
+
+
+def http_status(code: str) -> int:
+    return HTTP_STATUS.get(code, 500)
+
+
+def grpc_status(code: str) -> str:
+    return GRPC_STATUS.get(code, "INTERNAL")
+
+
+def error_text(code: str, message: str) -> str:
+    """What the caller reads: the modelwarden code first, as the native client's errors do."""
+    return f"{code}: {message}"
+
+
+def bad_input(message: str) -> ProtocolError:
+    return ProtocolError(BAD_INPUT, message)
+
+
+def bad_request(message: str) -> ProtocolError:
+    return ProtocolError(BAD_REQUEST, message)
+
+
+# -- shapes and datatypes ---------------------------------------------------------------------
+
+
+def check_datatype(name: str, datatype: Any) -> str:
+    if not isinstance(datatype, str):
+        raise bad_input(f"input {name!r}: 'datatype' must be a string")
+    if datatype not in DATATYPES:
+        hint = " (no torch tensor holds it)" if datatype in ("UINT16", "UINT32", "UINT64", "BYTES") else ""
+        raise bad_input(f"input {name!r}: datatype {datatype[:32]!r} is not supported{hint}; "
+                        f"supported: {', '.join(DATATYPES)}")
+    return datatype
+
+
+def check_shape(name: str, shape: Any) -> tuple[int, ...]:
+    if (not isinstance(shape, (list, tuple)) or len(shape) > MAX_DIMS
+            or not all(isinstance(dim, int) and not isinstance(dim, bool) and 0 <= dim < 2**40
+                       for dim in shape)):
+        raise bad_input(f"input {name!r}: 'shape' must be a list of at most {MAX_DIMS} "
+                        "non-negative integers")
+    return tuple(shape)
+
+
+def byte_size(datatype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * protocol.DTYPES[DATATYPES[datatype]]
+
+
+def metadata_shape(shape: list[int], batch_dim: int | None) -> list[int]:
+    """A declared shape as the protocol reports it: -1 for dynamic dimensions and, when the
+    model batches, for its batch dimension."""
+    return [-1 if index == batch_dim else dim for index, dim in enumerate(shape)]
+
+
+def tensor_metadata(specs: list[dict] | None, batch_dim: int | None) -> list[dict]:
+    """Declared inputs or outputs ({name, dtype, shape}) as protocol tensor metadata."""
+    return [{"name": spec["name"], "datatype": DTYPE_DATATYPES.get(spec["dtype"], spec["dtype"].upper()),
+             "shape": metadata_shape(list(spec["shape"]), batch_dim)} for spec in specs or []]
+
+
+# -- tensors in -------------------------------------------------------------------------------
+
+
+def raw_tensor(name: str, datatype: str, shape: tuple[int, ...], data) -> torch.Tensor:
+    """A tensor over ``data`` (bytes-like; not copied), which must hold exactly shape's bytes."""
+    expected = byte_size(datatype, shape)
+    got = memoryview(data).nbytes
+    if got != expected:
+        raise bad_input(f"input {name!r}: {got} bytes of data, but {datatype} {list(shape)} "
+                        f"needs {expected}")
+    dtype = TORCH_DTYPES[datatype]
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> torch.Tensor:
+    """A tensor from a JSON ``data`` list (flat or nested, row-major)."""
+    if not isinstance(data, list):
+        raise bad_input(f"input {name!r}: 'data' must be a list")
+    flat = _flatten_json(name, data)
+    count = math.prod(shape)
+    if len(flat) != count:
+        raise bad_input(f"input {name!r}: {len(flat)} values in 'data', but shape {list(shape)} "
+                        f"holds {count}")
+    kinds = _JSON_KINDS.get(datatype, (int,))
+    for value in flat:
+        # bool is an int in Python: only BOOL takes true/false, and BOOL takes nothing else.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and datatype != "BOOL"):
+            raise bad_input(f"input {name!r}: {json.dumps(value)[:32]} is not a {datatype} value")
+    try:
+        array = np.array(flat, dtype=_JSON_NUMPY[datatype]).reshape(shape)
+    except (OverflowError, ValueError) as exc:
+        raise bad_input(f"input {name!r}: a value does not fit {datatype} ({exc})") from None
+    tensor = torch.from_numpy(array)
+    return tensor.to(torch.bfloat16) if datatype == "BF16" else tensor
+
+
+def _flatten_json(name: str, data: list) -> list:
+    flat: list = []
+    stack = [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                if len(stack) > MAX_DIMS:
+                    raise bad_input(f"input {name!r}: 'data' nests deeper than {MAX_DIMS} levels")
+                stack.append(iter(value))
+                break
+            flat.append(value)
+        else:
+            stack.pop()
+    return flat
+
+
+# -- tensors out ------------------------------------------------------------------------------
+
+
+def as_torch(value: Any) -> torch.Tensor:
+    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+
+
+def tensor_datatype(tensor: torch.Tensor) -> str:
+    datatype = DATATYPE_OF_TORCH.get(tensor.dtype)
+    if datatype is None:
+        raise ProtocolError(MODEL_ERROR, f"the model returned a {tensor.dtype} tensor, which the "
+                            "Open Inference Protocol has no datatype for")
+    return datatype
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, row-major (a view when it is contiguous on the CPU already)."""
+    tensor = tensor.detach().cpu().contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)  # numpy has no bfloat16: same bytes
+    return memoryview(tensor.numpy()).cast("B")
+
+
+def tensor_json(tensor: torch.Tensor) -> list:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype in (torch.bfloat16, torch.float16):
+        tensor = tensor.float()
+    return tensor.reshape(-1).tolist()
+
+
+def name_outputs(outputs: list[torch.Tensor], declared: list[dict] | None,
+                 keys: list[str] | None) -> list[tuple[str, torch.Tensor]]:
+    """Output names: the declared ones in order; else a dict's keys; else output__0, output__1..."""
+    if declared:
+        if len(declared) != len(outputs):
+            raise ProtocolError(MODEL_ERROR, f"the model returned {len(outputs)} output(s), its "
+                                f"configuration declares {len(declared)}")
+        names = [spec["name"] for spec in declared]
+    elif keys is not None:
+        names = keys
+    else:
+        names = [f"output__{index}" for index in range(len(outputs))]
+    return list(zip(names, outputs))
+
+
+def flatten_outputs(value: Any) -> tuple[list, list[str] | None]:
+    """The model's outputs as a flat list (and a dict's keys, which then name them)."""
+    if isinstance(value, dict):
+        return [as_torch(item) for item in value.values()], [str(key) for key in value]
+    if isinstance(value, (list, tuple)):
+        flat: list = []
+        for item in value:
+            if isinstance(item, (list, tuple, dict)):
+                raise ProtocolError(MODEL_ERROR, "the model returned nested outputs, which the "
+                                    "Open Inference Protocol cannot name")
+            flat.append(as_torch(item))
+        return flat, None
+    return [as_torch(value)], None
+
+
+# -- REST requests ----------------------------------------------------------------------------
+
+
+@dataclass
+class InferInput:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+@dataclass
+class InferRequest:
+    inputs: list[InferInput]
+    id: str | None = None
+    outputs: list[str] | None = None  # requested output names; None: every output
+    binary: dict[str, bool] = field(default_factory=dict)  # an output's own binary_data
+    binary_default: bool = False  # binary_data_output: every output without its own
+    timeout_s: float | None = None  # parameters.timeout (microseconds, as Triton) in seconds
+
+    def wants_binary(self, name: str) -> bool:
+        return self.binary.get(name, self.binary_default)
+
+
+def header_length(value: str | None, body_length: int | None, limit: int) -> int | None:
+    """The ``Inference-Header-Content-Length`` header, checked before the body is read: it must
+    be a number no larger than the body (when its length is known) and the limit."""
+    if value is None:
+        return None
+    if not value.strip().isdigit() or len(value.strip()) > 20:
+        raise bad_request("Inference-Header-Content-Length must be a non-negative integer")
+    length = int(value)
+    if length > limit:
+        raise bad_request(f"Inference-Header-Content-Length {length} exceeds the gateway's "
+                          f"max_message_bytes ({limit})")
+    if body_length is not None and length > body_length:
+        raise bad_request(f"Inference-Header-Content-Length {length} is larger than the body "
+                          f"({body_length} bytes)")
+    return length
+
+
+def split_body(body: bytes, json_length: int | None) -> tuple[bytes | memoryview, memoryview]:
+    """(the JSON part, the binary part) of a REST request body."""
+    view = memoryview(body)
+    if json_length is None:
+        return view, view[len(view):]
+    if json_length > len(view):
+        raise bad_request(f"Inference-Header-Content-Length {json_length} is larger than the "
+                          f"body ({len(view)} bytes)")
+    return view[:json_length], view[json_length:]
+
+
+def load_json(data) -> Any:
+    try:
+        return json.loads(bytes(data))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {str(exc)[:120]}") from None
+
+
+def parse_infer_request(body: Any, binary: memoryview) -> InferRequest:
+    """A REST infer request (its JSON already parsed) and its binary part -> InferRequest."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise bad_request("'inputs' must be a non-empty list")
+    if len(inputs) > protocol.MAX_TENSORS:
+        raise bad_request(f"at most {protocol.MAX_TENSORS} inputs")
+    parsed, offset = [], 0
+    for index, item in enumerate(inputs):
+        tensor_input, used = _parse_input(index, item, binary[offset:])
+        parsed.append(tensor_input)
+        offset += used
+    if offset != len(binary):
+        raise bad_input(f"{len(binary) - offset} bytes of binary data after the last input's")
+    names = [item.name for item in parsed]
+    if len(set(names)) != len(names):
+        raise bad_input("two inputs have the same name")
+    request = InferRequest(parsed, id=_request_id(body.get("id")))
+    parameters = _parameters(body.get("parameters"), "parameters")
+    request.binary_default = _flag(parameters, "binary_data_output")
+    request.timeout_s = timeout_seconds(parameters.get("timeout"))
+    outputs = body.get("outputs")
+    if outputs is not None:
+        request.outputs, request.binary = _requested_outputs(outputs)
+    return request
+
+
+def _parse_input(index: int, item: Any, binary: memoryview) -> tuple[InferInput, int]:
+    if not isinstance(item, dict):
+        raise bad_request(f"inputs[{index}] must be an object")
+    name = item.get("name")
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise bad_request(f"inputs[{index}]: 'name' must be a string of 1 to 128 characters")
+    datatype = check_datatype(name, item.get("datatype"))
+    shape = check_shape(name, item.get("shape"))
+    parameters = _parameters(item.get("parameters"), f"input {name!r} parameters")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad_input(f"input {name!r}: binary_data_size must be a non-negative integer")
+        if "data" in item:
+            raise bad_input(f"input {name!r}: both 'data' and binary_data_size")
+        if size > len(binary):
+            raise bad_input(f"input {name!r}: binary_data_size {size}, but only {len(binary)} "
+                            "bytes of binary data are left")
+        return InferInput(name, datatype, shape, raw_tensor(name, datatype, shape, binary[:size])), size
+    if "data" not in item:
+        raise bad_input(f"input {name!r}: no 'data' and no binary_data_size")
+    return InferInput(name, datatype, shape, json_tensor(name, datatype, shape, item["data"])), 0
+
+
+def _requested_outputs(outputs: Any) -> tuple[list[str], dict[str, bool]]:
+    if not isinstance(outputs, list) or len(outputs) > protocol.MAX_TENSORS:
+        raise bad_request(f"'outputs' must be a list of at most {protocol.MAX_TENSORS} objects")
+    names, binary = [], {}
+    for index, item in enumerate(outputs):
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise bad_request(f"outputs[{index}] must be an object with a 'name'")
+        parameters = _parameters(item.get("parameters"), f"output {item['name'][:64]!r} parameters")
+        if "binary_data" in parameters:
+            binary[item["name"]] = _flag(parameters, "binary_data")
+        names.append(item["name"])
+    return names, binary
+
+
+def _parameters(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request(f"{what} must be an object")
+    return value
+
+
+def _flag(parameters: dict, key: str) -> bool:
+    value = parameters.get(key, False)
+    if not isinstance(value, bool):
+        raise bad_request(f"parameter {key!r} must be true or false")
+    return value
+
+
+def _request_id(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > protocol.MAX_ID_BYTES:
+        raise bad_request(f"'id' must be a string of at most {protocol.MAX_ID_BYTES} characters")
+    return value
+
+
+def timeout_seconds(value: Any) -> float | None:
+    """``parameters.timeout``: microseconds, as Triton's clients send it (their ``timeout=``)."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise bad_request("parameter 'timeout' must be a positive integer (microseconds)")
+    return min(max(value / 1e6, 0.001), MAX_TIMEOUT_S)
+
+
+def select_outputs(named: list[tuple[str, torch.Tensor]],
+                   wanted: list[str] | None) -> list[tuple[str, torch.Tensor]]:
+    if wanted is None:
+        return named
+    by_name = dict(named)
+    missing = [name for name in wanted if name not in by_name]
+    if missing:
+        raise bad_input(f"unknown output(s) {missing[:4]}; the model's outputs: {list(by_name)}")
+    return [(name, by_name[name]) for name in wanted]
+
+
+def infer_response(model: str, version: str | None, request: InferRequest,
+                   outputs: list[tuple[str, torch.Tensor]]) -> tuple[bytes, int | None]:
+    """(body, JSON length or None): a JSON body, or the JSON header and the binary outputs
+    after it when any output goes as binary data (the length then goes into
+    Inference-Header-Content-Length)."""
+    entries, chunks = [], []
+    for name, tensor in outputs:
+        entry = {"name": name, "datatype": tensor_datatype(tensor), "shape": list(tensor.shape)}
+        if request.wants_binary(name):
+            data = tensor_bytes(tensor)
+            entry["parameters"] = {"binary_data_size": data.nbytes}
+            chunks.append(data)
+        else:
+            entry["data"] = tensor_json(tensor)
+        entries.append(entry)
+    reply: dict[str, Any] = {"model_name": model, "model_version": version or ""}
+    if request.id is not None:
+        reply["id"] = request.id
+    reply["outputs"] = entries
+    header = json.dumps(reply, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return b"".join([header, *chunks]), len(header)

@@ -1,0 +1,453 @@
+"""The KServe v2 gateway, end to end: the real daemon spawns the real gateway process, and
+clients nobody here wrote (Triton's ``tritonclient`` over HTTP and gRPC, ``curl``, raw HTTP)
+talk to it. Outputs are compared with the same models computed in this process."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("uvicorn", reason="the gateway extra is not installed: pip install '.[gateway]'")
+pytest.importorskip("grpc", reason="the gateway extra is not installed: pip install '.[gateway]'")
+httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient is in the gateway-test extra")
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient is in the gateway-test extra")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from examples.models import make_mlp  # noqa: E402
+from modelwarden import Client  # noqa: E402
+from tests.faulty import pair_reference  # noqa: E402
+from tests.helpers import (Daemon, alive, join_within, memfd_holders, mlp_model,  # noqa: E402
+                           poll_until)
+
+ROOT = Path(__file__).resolve().parent.parent
+MLP = make_mlp(hidden=32)  # what the daemon's mlp workers hold (fixed seed)
+
+
+def gateway_daemon(models: list[dict], gateway: dict | None = None, **daemon) -> Daemon:
+    """A Daemon whose configuration has a [gateway] section (ephemeral ports by default)."""
+    instance = Daemon(models, daemon=daemon or None)
+    section = gateway or {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0"}
+    lines = ["", "[gateway]"] + [f"{key} = {json.dumps(value)}" for key, value in section.items()]
+    instance.config_path.write_text(instance.config_path.read_text() + "\n".join(lines) + "\n")
+    return instance
+
+
+def gateway_row(daemon: Daemon, pid_not: int | None = None, timeout: float = 90.0) -> dict:
+    """The status row of a READY gateway (another process than ``pid_not``)."""
+    def ready():
+        row = daemon.status()["gateway"]
+        return row if row["state"] == "READY" and row["pid"] != pid_not else None
+
+    return poll_until(ready, timeout, message="the gateway READY")
+
+
+MODELS = [
+    mlp_model("mlp", workers=2, batching={"max_size": 8},
+              outputs=[{"name": "logits", "dtype": "float32", "shape": [-1, 10]}]),
+    {"name": "pair", "source": "python:tests.faulty:make_pair", "workers": 1, "cores_per_worker": 1,
+     "threads": 1, "warmup": 1,
+     "inputs": [{"name": "a", "dtype": "float32", "shape": [-1, 8]},
+                {"name": "b", "dtype": "float32", "shape": [-1, 1]}],
+     "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 8]},
+                 {"name": "z", "dtype": "float32", "shape": [-1, 1]}]},
+    # No declared inputs: any dtype passes; the outputs are fresh copies of the inputs, after
+    # 50 ms (longer than a 1 ms timeout).
+    {"name": "echo", "source": "python:tests.faulty:make_echo", "kwargs": {"copy": True, "delay": 0.05},
+     "workers": 1, "cores_per_worker": 1, "threads": 1, "warmup": 0},
+]
+
+
+@pytest.fixture(autouse=True)
+def no_buffer_outlives_its_test():
+    """Replaces conftest.py's check after each test: the gateway is a long-lived client of the
+    module's daemon and keeps its buffer arena (shared memory, as any client's) while it runs.
+    The daemon fixture checks instead that no buffer outlives the daemon and its gateway."""
+    yield
+
+
+def no_buffer_left() -> None:
+    poll_until(lambda: not memfd_holders(exclude=(os.getpid(),)), timeout=15,
+               message="no other process holding a memfd:modelwarden")
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with gateway_daemon(MODELS) as instance:
+        instance.wait_ready()
+        gateway_row(instance)
+        yield instance
+    no_buffer_left()
+
+
+def clients(daemon: Daemon) -> dict:
+    row = gateway_row(daemon)
+    return {"http": httpclient.InferenceServerClient(row["http"]),
+            "grpc": grpcclient.InferenceServerClient(row["grpc"])}
+
+
+def infer(client, module, model: str, arrays: dict, datatypes: dict, binary: bool = True,
+          outputs: list[str] | None = None, **kwargs):
+    inputs = []
+    for name, array in arrays.items():
+        item = module.InferInput(name, list(array.shape), datatypes[name])
+        if module is httpclient:
+            item.set_data_from_numpy(array, binary_data=binary)
+        else:
+            item.set_data_from_numpy(array)
+        inputs.append(item)
+    requested = None
+    if outputs is not None:
+        requested = [module.InferRequestedOutput(name, binary_data=binary) if module is httpclient
+                     else module.InferRequestedOutput(name) for name in outputs]
+    return client.infer(model, inputs, outputs=requested, **kwargs)
+
+
+TRANSPORTS = [("http", httpclient, True), ("http", httpclient, False), ("grpc", grpcclient, True)]
+TRANSPORT_IDS = ["http-binary", "http-json", "grpc"]
+
+
+# -- health and metadata -----------------------------------------------------------------------
+
+
+def test_health_and_metadata_through_tritonclient(daemon):
+    for kind, client in clients(daemon).items():
+        assert client.is_server_live() and client.is_server_ready(), kind
+        assert client.is_model_ready("mlp"), kind
+        metadata = client.get_model_metadata("mlp")
+        if kind == "grpc":
+            metadata = {"inputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                                   for t in metadata.inputs],
+                        "outputs": [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                                    for t in metadata.outputs],
+                        "versions": list(metadata.versions)}
+        assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 64]}]
+        assert metadata["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+        version = daemon.status()["models"][0]["version"]
+        assert metadata["versions"] == [version]
+        assert client.is_model_ready("mlp", version)
+
+
+def test_rest_health_endpoints_and_server_metadata(daemon):
+    row = gateway_row(daemon)
+    assert _get(row["http"], "/v2/health/live") == (200, {"live": True})
+    assert _get(row["http"], "/v2/health/ready") == (200, {"ready": True})
+    status, body = _get(row["http"], "/v2")
+    assert status == 200 and body["name"] == "modelwarden" and "binary_tensor_data" in body["extensions"]
+    assert _get(row["http"], "/v2/models/nope/ready")[0] == 404
+
+
+# -- inference ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,module,binary", TRANSPORTS, ids=TRANSPORT_IDS)
+def test_float32_outputs_equal_the_in_process_model(daemon, kind, module, binary):
+    client = clients(daemon)[kind]
+    x = np.random.default_rng(1).standard_normal((5, 64), dtype=np.float32)
+    result = infer(client, module, "mlp", {"x": x}, {"x": "FP32"}, binary, ["logits"],
+                   request_id="req-7")
+    with torch.no_grad():
+        expected = MLP(torch.from_numpy(x)).numpy()
+    np.testing.assert_allclose(result.as_numpy("logits"), expected, rtol=1e-5, atol=1e-6)
+    response = result.get_response()
+    assert (response["id"] if kind == "http" else response.id) == "req-7"
+
+
+@pytest.mark.parametrize("kind,module,binary", TRANSPORTS, ids=TRANSPORT_IDS)
+@pytest.mark.parametrize("datatype,array", [
+    ("INT64", np.arange(-6, 6, dtype=np.int64).reshape(3, 4)),
+    ("BOOL", np.array([[True, False, True], [False, False, True]])),
+    ("FP16", np.linspace(-2, 2, 8, dtype=np.float16).reshape(2, 4)),
+    ("INT8", np.array([-128, 0, 127], dtype=np.int8)),
+    ("FP64", np.array([[1e300, -1.5]], dtype=np.float64)),
+], ids=["int64", "bool", "fp16", "int8", "fp64"])
+def test_datatypes_travel_both_ways_unchanged(daemon, kind, module, binary, datatype, array):
+    client = clients(daemon)[kind]
+    result = infer(client, module, "echo", {"in": array}, {"in": datatype}, binary)
+    back = result.as_numpy("output__0")
+    assert back.dtype == array.dtype and np.array_equal(back, array)
+
+
+@pytest.mark.parametrize("kind,module", [("http", httpclient), ("grpc", grpcclient)])
+def test_bf16_travels_as_raw_bytes(daemon, kind, module):
+    # tritonclient takes BF16 as float32 arrays and truncates them to their upper half.
+    client = clients(daemon)[kind]
+    values = np.array([[1.0, -2.5, 0.15625, 3e38]], dtype=np.float32)
+    result = infer(client, module, "echo", {"in": values}, {"in": "BF16"})
+    truncated = (values.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    assert np.array_equal(result.as_numpy("output__0"), truncated)
+
+
+@pytest.mark.parametrize("kind,module,binary", TRANSPORTS, ids=TRANSPORT_IDS)
+def test_two_inputs_two_outputs_named_as_declared(daemon, kind, module, binary):
+    client = clients(daemon)[kind]
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((3, 8), dtype=np.float32)
+    b = rng.standard_normal((3, 1), dtype=np.float32)
+    result = infer(client, module, "pair", {"b": b, "a": a}, {"a": "FP32", "b": "FP32"}, binary)
+    y, z = pair_reference(torch.from_numpy(a), torch.from_numpy(b))
+    np.testing.assert_allclose(result.as_numpy("y"), y.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result.as_numpy("z"), z.numpy(), rtol=1e-5, atol=1e-6)
+    only_z = infer(client, module, "pair", {"a": a, "b": b}, {"a": "FP32", "b": "FP32"}, binary, ["z"])
+    assert only_z.as_numpy("y") is None
+    np.testing.assert_allclose(only_z.as_numpy("z"), z.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_large_tensor_goes_through_shared_memory_and_back(daemon):
+    client = clients(daemon)["grpc"]
+    array = np.random.default_rng(3).standard_normal((1024, 1024), dtype=np.float32)  # 4 MiB
+    result = infer(client, grpcclient, "echo", {"in": array}, {"in": "FP32"})
+    assert np.array_equal(result.as_numpy("output__0"), array)
+    # The gateway registered a buffer with the daemon, and the echo worker mapped it.
+    assert daemon.status()["daemon"]["buffers"] >= 1
+    echo_pid = daemon.workers("echo", "READY")[0]["pid"]
+    assert "memfd:modelwarden" in Path(f"/proc/{echo_pid}/maps").read_text()
+
+
+@pytest.mark.parametrize("kind,module,status", [("http", httpclient, "504"),
+                                                ("grpc", grpcclient, "StatusCode.DEADLINE_EXCEEDED")])
+def test_parameters_timeout_is_honoured(daemon, kind, module, status):
+    client = clients(daemon)[kind]
+    value = np.zeros((1, 1), dtype=np.float32)
+    # tritonclient sends timeout= (microseconds) as parameters.timeout; echo takes 50 ms.
+    with pytest.raises(InferenceServerException) as caught:
+        infer(client, module, "echo", {"in": value}, {"in": "FP32"}, timeout=1000)
+    assert caught.value.status() == status and caught.value.message().startswith("TIMEOUT: ")
+    result = infer(client, module, "echo", {"in": value}, {"in": "FP32"}, timeout=10_000_000)
+    assert np.array_equal(result.as_numpy("output__0"), value)
+
+
+def test_the_readme_curl_example(daemon):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("curl is not installed")
+    readme = (ROOT / "README.md").read_text()
+    command = next(line for line in readme.splitlines() if line.startswith("curl ") and "/infer" in line)
+    command = command.replace("localhost:8000", gateway_row(daemon)["http"])
+    done = subprocess.run(["bash", "-c", command + " -w '\\n%{http_code}'"], capture_output=True,
+                          text=True, timeout=60)
+    body, _, status = done.stdout.rpartition("\n")
+    assert status == "200", done.stdout + done.stderr
+    reply = json.loads(body)
+    with torch.no_grad():
+        expected = MLP(torch.arange(1, 65, dtype=torch.float32).reshape(1, 64))
+    assert reply["outputs"][0]["name"] == "logits" and reply["outputs"][0]["shape"] == [1, 10]
+    np.testing.assert_allclose(reply["outputs"][0]["data"], expected.reshape(-1).numpy(), rtol=1e-5)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def _get(address: str, path: str) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        connection.close()
+
+
+def _post(address: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request("POST", path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def _declare_only(address: str, path: str, headers: dict) -> tuple[int, dict]:
+    """Send headers that promise a body, never send it: the answer must come anyway."""
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.putrequest("POST", path)
+        for key, value in headers.items():
+            connection.putheader(key, value)
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on(daemon):
+    row = gateway_row(daemon)
+    address, path = row["http"], "/v2/models/mlp/infer"
+    x = {"name": "x", "datatype": "FP32", "shape": [1, 64]}
+    cases = [
+        (_post(address, path, json.dumps({"inputs": [{**x, "datatype": "FLOAT", "data": [0] * 64}]}).encode()),
+         400, "BAD_INPUT: input 'x': datatype 'FLOAT' is not supported"),
+        (_post(address, path, json.dumps({"inputs": [{**x, "data": [0] * 63}]}).encode()),
+         400, "BAD_INPUT: input 'x': 63 values"),
+        (_post(address, path, json.dumps({"inputs": [{**x, "parameters": {"binary_data_size": 256}}]}).encode()
+               + b"\0" * 200, {"Inference-Header-Content-Length": str(len(json.dumps(
+                   {"inputs": [{**x, "parameters": {"binary_data_size": 256}}]})))}),
+         400, "BAD_INPUT: input 'x': binary_data_size 256, but only 200 bytes"),
+        (_post(address, path, b"{not json"), 400, "BAD_REQUEST: the request body is not valid JSON"),
+        (_post(address, "/v2/models/nope/infer", json.dumps({"inputs": [{**x, "data": [0] * 64}]}).encode()),
+         404, "UNKNOWN_MODEL"),
+        (_post(address, path, json.dumps({"inputs": [{**x, "datatype": "INT64", "data": [0] * 64}]}).encode()),
+         400, "BAD_INPUT: input 'x': dtype int64, model takes float32"),
+        (_declare_only(address, path, {"Content-Length": "100",
+                                       "Inference-Header-Content-Length": str(3 * 1024**3)}),
+         400, "BAD_REQUEST: Inference-Header-Content-Length 3221225472 exceeds"),
+        (_declare_only(address, path, {"Content-Length": str(3 * 1024**3)}),
+         413, "BAD_REQUEST: the request body exceeds the gateway's max_message_bytes"),
+    ]
+    for (status, body), want_status, want_text in cases:
+        assert status == want_status and body["error"].startswith(want_text), (status, body)
+        assert "Traceback" not in body["error"] and str(ROOT) not in body["error"]
+    assert _get(address, "/v2/health/live")[0] == 200
+    assert gateway_row(daemon)["pid"] == row["pid"]  # the same process served all of it
+
+
+def test_bad_input_through_tritonclient_gets_typed_errors(daemon):
+    row = gateway_row(daemon)
+    http_client, grpc_client = clients(daemon)["http"], clients(daemon)["grpc"]
+    x = np.zeros((1, 64), dtype=np.int64)
+    for client, module, unknown, invalid in ((http_client, httpclient, "404", "400"),
+                                             (grpc_client, grpcclient, "StatusCode.NOT_FOUND",
+                                              "StatusCode.INVALID_ARGUMENT")):
+        with pytest.raises(InferenceServerException) as caught:
+            infer(client, module, "mlp", {"x": x}, {"x": "INT64"})
+        assert caught.value.status() == invalid and "BAD_INPUT" in caught.value.message()
+        with pytest.raises(InferenceServerException) as caught:
+            infer(client, module, "nope", {"x": x}, {"x": "INT64"})
+        assert caught.value.status() == unknown and "UNKNOWN_MODEL" in caught.value.message()
+    # Raw contents shorter than the shape says, through tritonclient's own gRPC stubs (its
+    # InferInput checks sizes on the client side).
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    request = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[b"\0" * 100])
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 64])
+    with grpc.insecure_channel(row["grpc"]) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "BAD_INPUT: input 'x': 100 bytes of data, but FP32 [1, 64] needs 256"
+    assert gateway_row(daemon)["pid"] == row["pid"]
+    assert http_client.is_server_live()
+
+
+# -- supervision --------------------------------------------------------------------------------
+
+
+def test_status_shows_the_gateway(daemon):
+    done = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--config",
+                           str(daemon.config_path)], capture_output=True, text=True, timeout=60)
+    row = gateway_row(daemon)
+    assert re.search(rf"gateway READY\s+pid {row['pid']}\s+http {re.escape(row['http'])}", done.stdout)
+
+
+def test_a_killed_gateway_is_restarted_and_native_clients_never_notice(daemon):
+    row = gateway_row(daemon)
+    failures, served, stop = [], [], threading.Event()
+
+    def native_traffic():
+        with Client(daemon.endpoint, timeout=30) as client:
+            while not stop.is_set():
+                try:
+                    client.infer("mlp", torch.zeros(1, 64))
+                    served.append(1)
+                except Exception as exc:
+                    failures.append(exc)
+
+    thread = threading.Thread(target=native_traffic, name="native traffic")
+    thread.start()
+    try:
+        poll_until(lambda: len(served) > 5, 60, message="native traffic flowing")
+        os.kill(row["pid"], signal.SIGKILL)
+        before = len(served)
+        new = gateway_row(daemon, pid_not=row["pid"])
+        poll_until(lambda: len(served) > before + 5, 60, message="native traffic after the kill")
+    finally:
+        stop.set()
+        join_within(thread)
+    assert not failures
+    assert new["restarts"] == row["restarts"] + 1 and new["last_exit"] == "SIGKILL"
+    assert not alive(row["pid"])
+    assert httpclient.InferenceServerClient(new["http"]).is_server_ready()
+    assert grpcclient.InferenceServerClient(new["grpc"]).is_server_ready()
+
+
+def test_a_killed_worker_under_gateway_load_loses_no_request(daemon):
+    row = gateway_row(daemon)
+    errors, answers = [], []
+    x = np.random.default_rng(4).standard_normal((2, 64), dtype=np.float32)
+    with torch.no_grad():
+        expected = MLP(torch.from_numpy(x)).numpy()
+
+    def load(kind: str):
+        client = (httpclient.InferenceServerClient(row["http"]) if kind == "http"
+                  else grpcclient.InferenceServerClient(row["grpc"]))
+        module = httpclient if kind == "http" else grpcclient
+        for _ in range(40):
+            try:
+                answers.append(infer(client, module, "mlp", {"x": x}, {"x": "FP32"}).as_numpy("logits"))
+            except Exception as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(kind,)) for kind in ("http", "grpc") * 2]
+    for thread in threads:
+        thread.start()
+    poll_until(lambda: len(answers) > 10, 60, message="gateway traffic flowing")
+    victim = daemon.workers("mlp", "READY")[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    for thread in threads:
+        join_within(thread)
+    assert not errors
+    assert len(answers) == 160 and all(np.allclose(a, expected, rtol=1e-5, atol=1e-6) for a in answers)
+    poll_until(lambda: any(w["id"] == victim["id"] and w["restarts"] >= 1 for w in daemon.workers("mlp")),
+               60, message="the killed worker's slot restarted")
+
+
+def test_the_gateway_stops_after_the_last_worker():
+    with gateway_daemon([mlp_model("mlp", workers=1)], {"http": "127.0.0.1:0"}) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        assert row["grpc"] is None
+        assert instance.stop() == 0
+        assert not alive(row["pid"])
+        log = instance.log()
+        worker_stopped = log.index("DRAINING -> STOPPED")
+        assert log.index("gateway pid", worker_stopped) > worker_stopped
+        assert re.search(r"gateway pid \d+: STOPPING -> STOPPED \(exit 0", log)
+    no_buffer_left()
+
+
+def test_a_gateway_that_cannot_bind_backs_off_and_the_daemon_serves_on():
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    address = f"127.0.0.1:{taken.getsockname()[1]}"
+    try:
+        with gateway_daemon([mlp_model("mlp", workers=1)], {"http": address}) as instance:
+            instance.wait_ready()
+            row = poll_until(lambda: (lambda g: g if g["restarts"] >= 2 else None)(instance.status()["gateway"]),
+                             90, message="two failed gateway starts")
+            assert row["last_exit"] == "exit 3 (boot error)" and row["state"] in ("BACKOFF", "STARTING")
+            assert "cannot listen on " + address in instance.log()
+            delays = [float(d) for d in re.findall(r"gateway exited \(exit 3 \(boot error\)\); "
+                                                   r"restarting in ([0-9.]+)s", instance.log())]
+            assert delays[:2] == [0.5, 1.0]
+            with Client(instance.endpoint, timeout=30) as client:
+                assert client.infer("mlp", torch.zeros(1, 64)).shape == (1, 10)
+    finally:
+        taken.close()
+    no_buffer_left()

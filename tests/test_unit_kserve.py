@@ -1,0 +1,166 @@
+"""gateway/kserve.py: datatypes, tensors in and out, REST bodies, error mapping; the committed
+gRPC stubs are what grpcio-tools makes of the committed .proto."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+kserve = pytest.importorskip("modelwarden.gateway.kserve")
+
+from modelwarden.shared import protocol  # noqa: E402
+from modelwarden.shared.protocol import ProtocolError  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_error_code_maps_to_the_issue_s_status():
+    expected_http = {"BAD_REQUEST": 400, "BAD_INPUT": 400, "UNKNOWN_MODEL": 404, "OVERLOADED": 503,
+                     "NO_WORKER": 503, "SHUTTING_DOWN": 503, "TIMEOUT": 504, "MODEL_ERROR": 500,
+                     "WORKER_DIED": 500, "POISON": 500, "INTERNAL": 500, "OUT_OF_MEMORY": 500}
+    assert {code: kserve.http_status(code) for code in protocol.ERROR_CODES} == expected_http
+    assert kserve.grpc_status("BAD_INPUT") == "INVALID_ARGUMENT"
+    assert kserve.grpc_status("UNKNOWN_MODEL") == "NOT_FOUND"
+    assert kserve.grpc_status("NO_WORKER") == "UNAVAILABLE"
+    assert kserve.grpc_status("TIMEOUT") == "DEADLINE_EXCEEDED"
+    assert kserve.grpc_status("POISON") == "INTERNAL"
+    assert kserve.error_text("TIMEOUT", "late") == "TIMEOUT: late"
+
+
+@pytest.mark.parametrize("datatype,dtype", [("BOOL", torch.bool), ("UINT8", torch.uint8),
+                                            ("INT8", torch.int8), ("INT16", torch.int16),
+                                            ("INT32", torch.int32), ("INT64", torch.int64),
+                                            ("FP16", torch.float16), ("BF16", torch.bfloat16),
+                                            ("FP32", torch.float32), ("FP64", torch.float64)])
+def test_raw_bytes_round_trip_every_datatype(datatype, dtype):
+    original = (torch.arange(6) % 2 == 1) if dtype == torch.bool else torch.arange(6).to(dtype)
+    original = original.reshape(2, 3)
+    data = bytes(kserve.tensor_bytes(original))
+    assert len(data) == kserve.byte_size(datatype, (2, 3))
+    back = kserve.raw_tensor("x", datatype, (2, 3), data)
+    assert back.dtype == dtype and torch.equal(back, original)
+    assert kserve.tensor_datatype(back) == datatype
+
+
+def test_raw_data_of_the_wrong_length_is_bad_input():
+    with pytest.raises(ProtocolError) as caught:
+        kserve.raw_tensor("x", "FP32", (2, 3), b"\0" * 20)
+    assert caught.value.code == "BAD_INPUT" and "20 bytes" in caught.value.message
+
+
+def test_json_tensor_flat_and_nested_and_typed():
+    assert torch.equal(kserve.json_tensor("x", "INT64", (2, 2), [[1, 2], [3, 4]]),
+                       torch.tensor([[1, 2], [3, 4]]))
+    assert torch.equal(kserve.json_tensor("x", "BOOL", (3,), [True, False, True]),
+                       torch.tensor([True, False, True]))
+    bf16 = kserve.json_tensor("x", "BF16", (2,), [1.5, -2])
+    assert bf16.dtype == torch.bfloat16 and bf16.tolist() == [1.5, -2.0]
+    for datatype, data in (("FP32", [1, 2, 3]), ("INT64", [1.5, 2]), ("BOOL", [1, 0]),
+                           ("FP32", ["a", 1]), ("INT64", [True, 1])):
+        with pytest.raises(ProtocolError) as caught:
+            kserve.json_tensor("x", datatype, (2,), data)
+        assert caught.value.code == "BAD_INPUT"
+    with pytest.raises(ProtocolError, match="does not fit"):
+        kserve.json_tensor("x", "INT8", (1,), [300])
+
+
+def test_unknown_datatypes_are_refused_by_name():
+    for datatype in ("FLOAT", "BYTES", "UINT64", 7):
+        with pytest.raises(ProtocolError) as caught:
+            kserve.check_datatype("x", datatype)
+        assert caught.value.code == "BAD_INPUT"
+
+
+def test_metadata_reports_the_batch_dimension_as_dynamic():
+    specs = [{"name": "x", "dtype": "float32", "shape": [4, 64]}]
+    assert kserve.tensor_metadata(specs, 0) == [{"name": "x", "datatype": "FP32", "shape": [-1, 64]}]
+    assert kserve.tensor_metadata(specs, None)[0]["shape"] == [4, 64]
+
+
+def _body(inputs, **extra) -> dict:
+    return {"inputs": inputs, **extra}
+
+
+def test_a_binary_request_splits_its_inputs_in_order():
+    a, b = torch.randn(2, 3), torch.arange(4)
+    binary = bytes(kserve.tensor_bytes(a)) + bytes(kserve.tensor_bytes(b))
+    header = json.dumps(_body([
+        {"name": "a", "datatype": "FP32", "shape": [2, 3], "parameters": {"binary_data_size": 24}},
+        {"name": "b", "datatype": "INT64", "shape": [4], "parameters": {"binary_data_size": 32}}],
+        id="r1", parameters={"binary_data_output": True, "timeout": 2_000_000})).encode()
+    json_part, binary_part = kserve.split_body(header + binary, len(header))
+    request = kserve.parse_infer_request(kserve.load_json(json_part), binary_part)
+    assert [item.name for item in request.inputs] == ["a", "b"]
+    assert torch.equal(request.inputs[0].tensor, a) and torch.equal(request.inputs[1].tensor, b)
+    assert request.id == "r1" and request.timeout_s == 2.0 and request.wants_binary("y")
+
+
+@pytest.mark.parametrize("binary,problem", [(b"\0" * 23, "binary_data_size 24"),
+                                            (b"\0" * 25, "1 bytes of binary data after")])
+def test_binary_data_that_does_not_add_up_is_bad_input(binary, problem):
+    body = _body([{"name": "a", "datatype": "FP32", "shape": [2, 3],
+                   "parameters": {"binary_data_size": 24}}])
+    with pytest.raises(ProtocolError, match=problem) as caught:
+        kserve.parse_infer_request(body, memoryview(binary))
+    assert caught.value.code == "BAD_INPUT"
+
+
+def test_a_declared_header_length_is_checked_before_the_body_is_read():
+    assert kserve.header_length(None, 10, 100) is None
+    assert kserve.header_length("5", 10, 100) == 5
+    for value, body in (("3000000000", None), ("11", 10), ("-1", 10), ("x", 10)):
+        with pytest.raises(ProtocolError) as caught:
+            kserve.header_length(value, body, 1000)
+        assert caught.value.code == "BAD_REQUEST"
+
+
+def test_malformed_requests_are_bad_request():
+    for body in ([], {"inputs": []}, {"inputs": [1]}, {"inputs": [{"name": ""}]},
+                 _body([{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}], id=5),
+                 _body([{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+                       parameters={"timeout": "soon"})):
+        with pytest.raises(ProtocolError) as caught:
+            kserve.parse_infer_request(body, memoryview(b""))
+        assert caught.value.code == "BAD_REQUEST"
+    with pytest.raises(ProtocolError, match="not valid JSON"):
+        kserve.load_json(b"{nope")
+
+
+def test_a_response_names_outputs_and_mixes_json_and_binary():
+    request = kserve.InferRequest(inputs=[], id="7", outputs=["y", "z"], binary={"z": True})
+    y, z = torch.tensor([1.0, 2.0]), torch.tensor([[True, False]])
+    named = kserve.select_outputs(kserve.name_outputs([y, z], None, ["y", "z"]), request.outputs)
+    body, json_length = kserve.infer_response("m", "v1", request, named)
+    header = json.loads(body[:json_length])
+    assert header["id"] == "7" and header["model_version"] == "v1"
+    assert header["outputs"][0] == {"name": "y", "datatype": "FP32", "shape": [2], "data": [1.0, 2.0]}
+    assert header["outputs"][1]["parameters"] == {"binary_data_size": 2}
+    assert body[json_length:] == b"\x01\x00"
+    with pytest.raises(ProtocolError, match="unknown output"):
+        kserve.select_outputs(named, ["w"])
+
+
+def test_outputs_are_named_as_declared_else_output_n():
+    tensors = [torch.zeros(1), torch.ones(1)]
+    assert [name for name, _ in kserve.name_outputs(tensors, None, None)] == ["output__0", "output__1"]
+    declared = [{"name": "y", "dtype": "float32", "shape": [1]}, {"name": "z", "dtype": "float32", "shape": [1]}]
+    assert [name for name, _ in kserve.name_outputs(tensors, declared, None)] == ["y", "z"]
+    with pytest.raises(ProtocolError) as caught:
+        kserve.name_outputs(tensors[:1], declared, None)
+    assert caught.value.code == "MODEL_ERROR"
+    flat, keys = kserve.flatten_outputs({"a": np.zeros(2), "b": torch.ones(1)})
+    assert keys == ["a", "b"] and all(isinstance(t, torch.Tensor) for t in flat)
+
+
+def test_committed_grpc_stubs_are_what_grpcio_tools_generates(tmp_path):
+    pytest.importorskip("grpc_tools", reason="grpcio-tools is in the gateway-test extra")
+    from modelwarden.gateway.proto import regenerate
+
+    for generated in regenerate.generate(tmp_path):
+        committed = ROOT / "gateway" / "proto" / generated.name
+        assert committed.read_text() == generated.read_text(), (
+            f"{committed} is stale: run `make stubs` and commit the result")
