@@ -133,7 +133,9 @@ def test_two_workers_share_one_copy_of_mapped_weights(tmp_path):
         daemon.wait_ready()
         x = torch.randn(3, BIG["in_features"])
         with Client(daemon.endpoint) as client:
-            answers = [client.infer("big", x, details=True) for _ in range(4)]
+            # in flight together, so both workers answer (one at a time would reuse the warm one)
+            answers = [future.result(60) for future in
+                       [client.submit("big", x, details=True) for _ in range(8)]]
         assert {answer.worker for answer in answers} == {"big#0", "big#1"}
         expected = reference_model(**BIG)(x)
         for answer in answers:  # the same weights; sums of 10000 terms in another thread count
