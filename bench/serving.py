@@ -369,13 +369,11 @@ GATEWAY_WORKLOADS = ("W1", "W3")
 
 def gateway_missing() -> str | None:
     """Why the gateway cannot be benchmarked here, or None."""
-    try:
-        import grpc  # noqa: F401
-        import tritonclient.grpc.aio  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        return (f"gateway: skipped, {exc.name} is not installed (pip install "
-                "'.[gateway,gateway-test]')")
+    import importlib.util
+
+    for name in ("uvicorn", "grpc", "tritonclient"):
+        if importlib.util.find_spec(name) is None:
+            return f"gateway: skipped, {name} is not installed (pip install '.[gateway,gateway-test]')"
     return None
 
 

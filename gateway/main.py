@@ -140,11 +140,10 @@ def _bind_grpc(server, address: str) -> str:
 
 
 def _http_protocol() -> str:
-    try:
-        import httptools  # noqa: F401  (the faster parser, when installed)
-        return "httptools"
-    except ImportError:
-        return "h11"
+    """httptools (the faster parser) when it is installed, else h11."""
+    import importlib.util
+
+    return "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
 async def _started(server, task: asyncio.Task) -> None:
