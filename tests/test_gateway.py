@@ -470,3 +470,16 @@ def test_a_gateway_that_cannot_bind_backs_off_and_the_daemon_serves_on():
     finally:
         taken.close()
     no_buffer_left()
+
+
+def test_a_gateway_without_an_ipc_frontend_is_refused_at_start():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    instance = gateway_daemon([mlp_model("mlp", workers=1)], frontend=[f"tcp://127.0.0.1:{port}"])
+    with instance:
+        code = instance.process.wait(60)
+        assert code == 1
+        assert "[gateway] needs an ipc:// frontend" in instance.log()
