@@ -146,6 +146,8 @@ def test_rest_health_endpoints_and_server_metadata(daemon):
     status, body = _get(row["http"], "/v2")
     assert status == 200 and body["name"] == "modelwarden" and "binary_tensor_data" in body["extensions"]
     assert _get(row["http"], "/v2/models/nope/ready")[0] == 404
+    status, body = _get(row["http"], "/v2/models/mlp/versions/bogus")
+    assert status == 404 and body["error"].startswith("UNKNOWN_MODEL: model 'mlp' has no version 'bogus'")
 
 
 def test_a_keep_alive_rest_call_does_not_wait_for_delayed_acks(daemon):
@@ -483,3 +485,21 @@ def test_a_gateway_without_an_ipc_frontend_is_refused_at_start():
         code = instance.process.wait(60)
         assert code == 1
         assert "[gateway] needs an ipc:// frontend" in instance.log()
+
+
+def test_readiness_follows_the_workers():
+    with gateway_daemon([mlp_model("mlp", workers=1)]) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        grpc_client = grpcclient.InferenceServerClient(row["grpc"])
+        assert _get(row["http"], "/v2/health/ready")[0] == 200 and grpc_client.is_server_ready()
+        instance.command("stop", target="mlp")
+        poll_until(lambda: _get(row["http"], "/v2/health/ready") == (503, {"ready": False}), 60,
+                   message="the gateway not ready once the model has no READY worker")
+        assert _get(row["http"], "/v2/models/mlp/ready") == (503, {"name": "mlp", "ready": False})
+        assert not grpc_client.is_server_ready() and not grpc_client.is_model_ready("mlp")
+        assert _get(row["http"], "/v2/health/live")[0] == 200
+        instance.command("restart", target="mlp")
+        poll_until(lambda: _get(row["http"], "/v2/health/ready")[0] == 200, 90,
+                   message="the gateway ready again")
+    no_buffer_left()
