@@ -130,10 +130,6 @@ class GatewayKeeper:
                     f" ({why})" if why else "")
         self.state = state
 
-    @property
-    def alive(self) -> bool:
-        return self.process is not None
-
     # -- starting ---------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -272,7 +268,10 @@ def describe_exit(code: int | None) -> str:
     if code is None:
         return "unknown"
     if code < 0:
-        return f"{signal.Signals(-code).name}" if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
     return EXIT_NAMES.get(code, f"exit {code}")
 
 
