@@ -499,6 +499,9 @@ def test_readiness_follows_the_workers():
         assert _get(row["http"], "/v2/models/mlp/ready") == (503, {"name": "mlp", "ready": False})
         assert not grpc_client.is_server_ready() and not grpc_client.is_model_ready("mlp")
         assert _get(row["http"], "/v2/health/live")[0] == 200
+        # A slot still draining is not restarted: wait until it has stopped.
+        poll_until(lambda: [w["state"] for w in instance.workers("mlp")] == ["STOPPED"], 60,
+                   message="mlp#0 STOPPED")
         instance.command("restart", target="mlp")
         poll_until(lambda: _get(row["http"], "/v2/health/ready")[0] == 200, 90,
                    message="the gateway ready again")
