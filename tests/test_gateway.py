@@ -360,6 +360,14 @@ def test_bad_input_through_tritonclient_gets_typed_errors(daemon):
             service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == "BAD_INPUT: input 'x': 100 bytes of data, but FP32 [1, 64] needs 256"
+    # Bytes that are no protobuf message at all.
+    with grpc.insecure_channel(row["grpc"]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"\xff\xff\xff\x0f", timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("BAD_REQUEST: the message is not a valid")
+    assert "Traceback" not in daemon.log()
     assert gateway_row(daemon)["pid"] == row["pid"]
     assert http_client.is_server_live()
 
