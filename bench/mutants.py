@@ -7,7 +7,7 @@ reported as STALE: when you change a mechanism, update its mutation in the same 
 add one, add its mutation.
 
 The copy is importable as ``modelwarden`` through PYTHONPATH (its ``modelwarden/`` folder gains
-links to ``supervisor/``, ``worker/`` and ``shared/``), which takes precedence over the editable
+links to ``supervisor/``, ``worker/``, ``shared/`` and ``gateway/``), which takes precedence over the editable
 install, in the test process, the daemon it starts and the daemon's spawned workers alike.
 
     python bench/mutants.py               # all; exit 1 if any mutation survives or is stale
@@ -380,6 +380,36 @@ MUTATIONS = [
       "            if best is None or len(state.outstanding) < len(best.outstanding):",
       "            if best is None:",
       ("tests/test_unit_balancer.py::test_the_least_busy_endpoint_wins_whatever_the_rotation",)),
+    # -- the KServe v2 gateway (issue 11) ----------------------------------------------------------
+    M("gateway-not-restarted", "supervisor/gateway.py",
+      "        self._timer = self._call_at(self.clock() + delay, self.start)\n", "        self._timer = None\n",
+      ("tests/test_gateway.py::test_a_killed_gateway_is_restarted_and_native_clients_never_notice",)),
+    M("gateway-backoff-flat", "supervisor/gateway.py",
+      "BACKOFF_INITIAL_S * 2 ** (self.failed_starts - 1))", "BACKOFF_INITIAL_S)",
+      ("tests/test_gateway.py::test_a_gateway_that_cannot_bind_backs_off_and_the_daemon_serves_on",)),
+    M("gateway-stopped-first", "supervisor/arbiter.py",
+      "and (self.gateway is None or self.gateway.stop_last())", "and True",
+      ("tests/test_gateway.py::test_the_gateway_stops_after_the_last_worker",)),
+    M("gateway-body-unbounded", "gateway/http.py",
+      "    if body_length is not None and body_length > max_body:\n        raise BodyTooLarge()\n", "",
+      ("tests/test_gateway.py::test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on",)),
+    M("gateway-timeout-ignored", "gateway/service.py",
+      "timeout = timeout_s if timeout_s is not None else", "timeout = ",
+      ("tests/test_gateway.py::test_parameters_timeout_is_honoured",)),
+    M("gateway-no-shm", "gateway/service.py", "self.client = AsyncClient(endpoint)",
+      "self.client = AsyncClient(endpoint, shm=False)",
+      ("tests/test_gateway.py::test_a_large_tensor_goes_through_shared_memory_and_back",)),
+    M("gateway-nagle", "gateway/main.py", "socket.SOCK_STREAM, socket.IPPROTO_TCP)", "socket.SOCK_STREAM)",
+      ("tests/test_gateway.py::test_a_keep_alive_rest_call_does_not_wait_for_delayed_acks",)),
+    M("gateway-always-ready", "gateway/service.py", "        return (offer is not None and not offer.get(",
+      "        return True or (offer is not None and not offer.get(",
+      ("tests/test_gateway.py::test_readiness_follows_the_workers",)),
+    M("gateway-grpc-unparsed-unknown", "gateway/grpc_service.py",
+      "request_deserializer=_tolerant(request.FromString),", "request_deserializer=request.FromString,",
+      ("tests/test_gateway.py::test_bad_input_through_tritonclient_gets_typed_errors",)),
+    M("gateway-unknown-model-400", "gateway/kserve.py", "UNKNOWN_MODEL: 404,", "UNKNOWN_MODEL: 400,",
+      ("tests/test_unit_kserve.py::test_every_error_code_maps_to_the_issue_s_status",
+       "tests/test_gateway.py::test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on")),
 ]
 
 
@@ -393,7 +423,7 @@ def copy_tree(destination: Path) -> None:
             target = destination / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target)
-    for role in ("supervisor", "worker", "shared"):
+    for role in ("supervisor", "worker", "shared", "gateway"):
         (destination / "modelwarden" / role).symlink_to(destination / role, target_is_directory=True)
 
 

@@ -16,6 +16,12 @@ Systems (--only takes these names, comma-separated):
                max_size 16 and max_delay_us 0 and 1000 (skipped, saying why, when the installed
                modelwarden has no [models.batching]); plus one worker, batching off, on W2.
                Client: modelwarden.Client at 1 in flight, AsyncClient with N tasks above.
+  gateway      the daemon's KServe v2 gateway ([gateway], issue 11), same 2 workers x 1 thread,
+               batching off and on (max 16, delay 1000us), on W1 and W3: REST JSON (W1 only: a
+               4 MiB tensor as JSON numbers is not a use), REST binary (the binary tensor data
+               extension, what tritonclient's HTTP client sends; one http.client keep-alive
+               connection per thread, N threads) and gRPC (tritonclient.grpc.aio, N tasks on
+               one loop; the gateway-test extra). Skipped, saying why, without the extras.
   inprocess    the background article's alternatives in this process, N client threads: one
                shared model behind a lock, and a queue served by one worker thread (W1, W2).
   mosec, litserve, ray, pytriton
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import http.client
 import json
 import os
 import queue
@@ -70,7 +77,7 @@ BUSY_TARGET_MS = 4.0
 BATCH_MAX = 16
 PEER_WAIT_MS = 1
 SAMPLE_INPUTS = 8
-SYSTEMS = ("modelwarden", "inprocess", "mosec", "litserve", "ray", "pytriton")
+SYSTEMS = ("modelwarden", "gateway", "inprocess", "mosec", "litserve", "ray", "pytriton")
 
 
 # -- workloads --------------------------------------------------------------------------------
@@ -355,6 +362,146 @@ def mw_point(endpoint: str, model: str, workload: Workload, concurrency: int, ti
     return result
 
 
+# -- the KServe v2 gateway ---------------------------------------------------------------------
+
+GATEWAY_WORKLOADS = ("W1", "W3")
+
+
+def gateway_missing() -> str | None:
+    """Why the gateway cannot be benchmarked here, or None."""
+    import importlib.util
+
+    for name in ("uvicorn", "grpc", "tritonclient"):
+        if importlib.util.find_spec(name) is None:
+            return f"gateway: skipped, {name} is not installed (pip install '.[gateway,gateway-test]')"
+    return None
+
+
+def gw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict | None,
+                   http: str, grpc: str) -> str:
+    """The modelwarden configuration plus [gateway], with each model's input and output named
+    (x and y) as a KServe client addresses them."""
+    text = mw_config_text(runtime, workloads, batching)
+    for workload in workloads.values():
+        shape = [-1, *workload.input_shape[1:]]
+        out = [-1, *workload.expected[0].shape[1:]]
+        text = text.replace(f'name = "{workload.name.lower()}"\n',
+                            f'name = "{workload.name.lower()}"\n'
+                            f'inputs = [{{ name = "x", dtype = "float32", shape = {shape} }}]\n'
+                            f'outputs = [{{ name = "y", dtype = "float32", shape = {out} }}]\n', 1)
+    return text + f'\n[gateway]\nhttp = "{http}"\ngrpc = "{grpc}"\n'
+
+
+def wait_gateway(http: str, daemon: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{http}/v2/health/ready", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        if daemon.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not become ready")
+        time.sleep(0.2)
+
+
+def bench_gateway(workdir: Path, workloads: dict[str, Workload], levels: list[int],
+                  timing: Timing, notes: list[str]) -> list[dict]:
+    missing = gateway_missing()
+    if missing:
+        notes.append(missing)
+        print(f"note: {missing}", flush=True)
+        return []
+    chosen = {name: workload for name, workload in workloads.items() if name in GATEWAY_WORKLOADS}
+    rows = []
+    for label, batching in (mw_configs()[0], mw_configs()[2]):
+        http, grpc = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        models = {workload.name.lower(): workload for workload in chosen.values()}
+        daemon, endpoint = start_daemon(workdir, "gateway " + label, gw_config_text(
+            workdir / "run", chosen, batching, http, grpc), models)
+        try:
+            wait_gateway(http, daemon)
+            for name, workload in models.items():
+                for transport in ("REST JSON", "REST binary", "gRPC"):
+                    if transport == "REST JSON" and workload.name == "W3":
+                        continue
+                    for concurrency in levels:
+                        result = gw_point(transport, http, grpc, name, workload, concurrency, timing)
+                        rows.append(point("gateway", transport, label, workload, concurrency,
+                                          result, workers=2, batching=batching))
+        finally:
+            stop_process(daemon)
+    return rows
+
+
+def gw_point(transport: str, rest_address: str, grpc_address: str, model: str,
+             workload: Workload, concurrency: int, timing: Timing) -> dict:
+    window = Window(timing.warmup_s, timing.duration_s)
+
+    def check(index, output):
+        return matches(workload, index, output)
+
+    if transport == "gRPC":
+        return asyncio.run(_grpc_load(grpc_address, model, workload, concurrency, window, check))
+    binary = transport == "REST binary"
+    bodies = [rest_body(x, binary) for x in workload.inputs]
+    shape = tuple(workload.expected[0].shape)
+    local = threading.local()
+
+    def call(index: int):
+        connection = getattr(local, "connection", None)
+        if connection is None:  # one keep-alive connection per client thread
+            connection = local.connection = http.client.HTTPConnection(rest_address, timeout=30)
+        body, headers = bodies[index]
+        connection.request("POST", f"/v2/models/{model}/infer", body=body, headers=headers)
+        response = connection.getresponse()
+        content = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {content[:200]!r}")
+        return rest_output(response, content, shape)
+
+    return run_threads(call, concurrency, window, SAMPLE_INPUTS, check)
+
+
+def rest_body(x: torch.Tensor, binary: bool) -> tuple[bytes, dict]:
+    if not binary:
+        body = {"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                            "data": x.flatten().tolist()}], "outputs": [{"name": "y"}]}
+        return json.dumps(body).encode(), {"Content-Type": "application/json"}
+    raw = x.contiguous().numpy().tobytes()
+    header = json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(raw)}}],
+                         "outputs": [{"name": "y", "parameters": {"binary_data": True}}]}).encode()
+    return header + raw, {"Content-Type": "application/octet-stream",
+                          "Inference-Header-Content-Length": str(len(header))}
+
+
+def rest_output(response, content: bytes, shape: tuple) -> torch.Tensor:
+    length = response.getheader("Inference-Header-Content-Length")
+    if length is None:
+        return torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(shape)
+    return torch.frombuffer(bytearray(content[int(length):]), dtype=torch.float32).reshape(shape)
+
+
+async def _grpc_load(address: str, model: str, workload: Workload, concurrency: int,
+                     window: Window, check) -> dict:
+    import tritonclient.grpc.aio as triton
+
+    arrays = [x.numpy() for x in workload.inputs]
+    client = triton.InferenceServerClient(address)
+    try:
+        async def call(index: int):
+            item = triton.InferInput("x", list(arrays[index].shape), "FP32")
+            item.set_data_from_numpy(arrays[index])
+            result = await client.infer(model, [item])
+            return torch.from_numpy(result.as_numpy("y"))
+
+        return await run_async(call, concurrency, window, SAMPLE_INPUTS, check)
+    finally:
+        await client.close()
+
+
 # -- peers ------------------------------------------------------------------------------------
 
 
@@ -580,6 +727,13 @@ def mw(rows, workload, concurrency, config: str) -> dict | None:
     return best(find(rows, "modelwarden", workload, concurrency, lambda c: c == label))
 
 
+def gw(rows, workload, concurrency, transport: str, batched: bool) -> dict | None:
+    """The gateway's row for one transport, batching off or on."""
+    return best([row for row in find(rows, "gateway", workload, concurrency,
+                                     lambda c: c.startswith("batch ") == batched)
+                 if row["transport"] == transport])
+
+
 def check(name: str, value: float | None, op: str, bound: float, how: str) -> dict:
     met = None if value is None else (value >= bound if op == ">=" else value <= bound)
     return {"target": name, "value": None if value is None else round(value, 3), "op": op,
@@ -628,6 +782,15 @@ def targets(rows: list[dict], workloads: dict[str, Workload]) -> list[dict]:
         for row in find(rows, "modelwarden", "W1", 64, lambda c: "1 worker" not in c):
             report.append(check(f"W1@64 supervisor CPU us/request ({row['config']})",
                                 row.get("supervisor_cpu_us"), "<=", 60.0, "utime+stime / requests"))
+    if any(row["system"] == "gateway" for row in rows):
+        grpc1, native1 = gw(rows, "W1", 1, "gRPC", False), mw(rows, "W1", 1, "off")
+        report.append(check("W1@1 gateway gRPC p50 / native client p50",
+                            ratio(grpc1, native1, "p50_ms"), "<=", 1.5, "batching off"))
+        for batched in (False, True):
+            rest, peer = gw(rows, "W1", 64, "REST binary", batched), best(peer_rows(rows, "W1", 64, batched))
+            report.append(check(f"W1@64 gateway REST binary / fastest HTTP peer, batching "
+                                f"{'on' if batched else 'off'}", ratio(rest, peer), ">=", 1.0,
+                                f"{describe(rest)} vs {describe(peer)}"))
     if "W3" in workloads:
         for concurrency in sorted({row["concurrency"] for row in rows if row["workload"] == "W3"}):
             peer = best(peer_rows(rows, "W3", concurrency))
@@ -654,7 +817,7 @@ def print_table(rows: list[dict], workloads: dict[str, Workload]) -> None:
     header = (f"{'wl':3s} {'infl':>4s} {'system':12s} {'transport':18s} {'config':30s} "
               f"{'req/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'err':>4s} {'sup us/req':>10s}")
     print("\n" + header + "\n" + "-" * len(header))
-    order = {name: n for n, name in enumerate(["modelwarden", "in-process", *PEERS])}
+    order = {name: n for n, name in enumerate(["modelwarden", "gateway", "in-process", *PEERS])}
     for row in sorted(rows, key=lambda r: (r["workload"], r["concurrency"], order.get(r["system"], 99))):
         cpu = row.get("supervisor_cpu_us")
         print(f"{row['workload']:3s} {row['concurrency']:>4d} {row['system']:12s} "
@@ -713,6 +876,9 @@ def main(argv=None) -> int:
         if "modelwarden" in args.systems:
             print("modelwarden (ZeroMQ ipc, 2 workers x 1 thread)", flush=True)
             rows += bench_modelwarden(workdir, workloads, args.levels, timing, notes)
+        if "gateway" in args.systems:
+            print("modelwarden's KServe v2 gateway (REST and gRPC, 2 workers x 1 thread)", flush=True)
+            rows += bench_gateway(workdir, workloads, args.levels, timing, notes)
         if "inprocess" in args.systems:
             print("in-process alternatives", flush=True)
             rows += bench_inprocess(workloads, args.levels, timing)

@@ -147,5 +147,54 @@ def make_server(max_message_bytes: int) -> grpc.aio.Server:
     ])
 
 
+SERVICE = "inference.GRPCInferenceService"
+METHODS = {  # name -> (request, response): the .proto's service
+    "ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
+    "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse),
+    "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
+    "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+    "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+    "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+}
+
+
+class _Unreadable:
+    """A request message protobuf could not parse (a DecodeError), handed to the method."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _tolerant(parse):
+    # grpc's own handling of a deserializer's exception is UNKNOWN and a traceback in the log
+    # for every such message; a malformed message is the caller's error: INVALID_ARGUMENT.
+    def deserialize(data: bytes):
+        try:
+            return parse(data)
+        except Exception as exc:
+            return _Unreadable(str(exc)[:120])
+
+    return deserialize
+
+
+def _refusing_unreadable(method):
+    async def handle(request, context):
+        if isinstance(request, _Unreadable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, kserve.error_text(
+                protocol.BAD_REQUEST, f"the message is not a valid {SERVICE} request: {request.problem}"))
+        return await method(request, context)
+
+    return handle
+
+
 def add_service(server: grpc.aio.Server, service: InferenceService) -> None:
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(service), server)
+    """The generated ``add_GRPCInferenceServiceServicer_to_server``, but a request that does not
+    parse is answered INVALID_ARGUMENT by us instead of UNKNOWN by grpc."""
+    servicer = InferenceServicer(service)
+    handlers = {name: grpc.unary_unary_rpc_method_handler(
+                    _refusing_unreadable(getattr(servicer, name)),
+                    request_deserializer=_tolerant(request.FromString),
+                    response_serializer=response.SerializeToString)
+                for name, (request, response) in METHODS.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

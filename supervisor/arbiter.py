@@ -121,8 +121,8 @@ class Arbiter:
     # -- life -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        if self.settings.gateway is not None and gateway.check_installed():
-            raise DaemonError(gateway.check_installed())
+        if self.settings.gateway is not None and gateway.cannot_run(self.settings):
+            raise DaemonError(gateway.cannot_run(self.settings))
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         claim_private_dir(self.settings.private_dir)

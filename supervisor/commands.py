@@ -175,7 +175,7 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "limits": limits_snapshot(arbiter),
                        "buffers": len(arbiter.registry)},
             "models": models, "workers": workers,
-            "gateway": arbiter.gateway.row() if arbiter.gateway is not None else None}
+            **({"gateway": arbiter.gateway.row()} if arbiter.gateway is not None else {})}
 
 
 def _batching_row(arbiter: "Arbiter", pool) -> dict | None:

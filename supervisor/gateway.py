@@ -95,7 +95,7 @@ class GatewaySpec:
 def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
     config = settings.gateway
     ipc = [endpoint for endpoint in settings.frontends if endpoint.startswith("ipc://")]
-    return GatewaySpec(frontend=(ipc or settings.frontends)[0], http=config.http, grpc=config.grpc,
+    return GatewaySpec(frontend=ipc[0], http=config.http, grpc=config.grpc,
                        max_message_bytes=config.max_message_bytes or settings.daemon.max_message_bytes,
                        supervisor_pid=supervisor_pid, log_level=settings.daemon.log_level,
                        log_format=settings.daemon.log_format)
@@ -129,10 +129,6 @@ class GatewayKeeper:
         logger.info("gateway pid %s: %s -> %s%s", self.pid, self.state.value, state.value,
                     f" ({why})" if why else "")
         self.state = state
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -272,16 +268,22 @@ def describe_exit(code: int | None) -> str:
     if code is None:
         return "unknown"
     if code < 0:
-        return f"{signal.Signals(-code).name}" if -code in signal.Signals._value2member_map_ else f"signal {-code}"
+        try:
+            return signal.Signals(-code).name
+        except ValueError:
+            return f"signal {-code}"
     return EXIT_NAMES.get(code, f"exit {code}")
 
 
-def check_installed() -> str | None:
-    """Why the gateway cannot run here (its extra is not installed), or None."""
+def cannot_run(settings: Settings) -> str | None:
+    """Why a configured gateway cannot run (checked before the daemon starts), or None."""
     missing = missing_modules()
-    if not missing:
-        return None
-    return (f"[gateway] is configured but {', '.join(missing)} is not installed: "
-            "pip install 'modelwarden[gateway]' (or remove the [gateway] section)")
+    if missing:
+        return (f"[gateway] is configured but {', '.join(missing)} is not installed: "
+                "pip install 'modelwarden[gateway]' (or remove the [gateway] section)")
+    if not any(endpoint.startswith("ipc://") for endpoint in settings.frontends):
+        return ("[gateway] needs an ipc:// frontend to reach the daemon as a local client; "
+                "daemon.frontend lists only tcp endpoints: add ipc://RUNTIME_DIR/frontend.sock")
+    return None
 
 

@@ -1,5 +1,6 @@
 """The serving benchmark still runs: bench/serving.py in a quick smoke configuration (no peers,
-W1 only, 1 and 8 in flight) produces every point it promises, with answers and no errors."""
+W1 only, 1 and 8 in flight) produces every point it promises, with answers and no errors (the
+KServe gateway's points too, when its extras are installed)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ def test_quick_serving_bench_measures_every_point(tmp_path):
     out = tmp_path / "serving.json"
     done = subprocess.run([sys.executable, "bench/serving.py", "--quick", "--no-peers",
                            "--workloads", "W1", "--concurrency", "1,8", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=180)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
-    points = {(p["system"], p["config"], p["concurrency"]): p for p in result["points"]}
+    points = {(p["system"], p["config"], p["concurrency"]) + ((p["transport"],) if p["system"] == "gateway"
+                                                             else ()): p for p in result["points"]}
     batching = not any("batching on: skipped" in note for note in result["notes"])
     configs = ["batching off"] + (["batch 16, delay 0us", "batch 16, delay 1000us"] if batching else [])
     expected = [("modelwarden", config, level) for config in configs for level in (1, 8)]
     expected += [("in-process", f"{scheme}, {os.cpu_count()} threads", level)
                  for scheme in ("lock", "queue, 1 worker") for level in (1, 8)]
+    if not any(note.startswith("gateway: skipped") for note in result["notes"]):
+        expected += [("gateway", config, level, transport)
+                     for config in ("batching off", "batch 16, delay 1000us") for level in (1, 8)
+                     for transport in ("REST JSON", "REST binary", "gRPC")]
     assert sorted(points) == sorted(expected)
     for key, row in points.items():
         assert row["ok"] > 0 and row["errors"] == 0, (key, row)

@@ -146,6 +146,27 @@ def test_rest_health_endpoints_and_server_metadata(daemon):
     status, body = _get(row["http"], "/v2")
     assert status == 200 and body["name"] == "modelwarden" and "binary_tensor_data" in body["extensions"]
     assert _get(row["http"], "/v2/models/nope/ready")[0] == 404
+    status, body = _get(row["http"], "/v2/models/mlp/versions/bogus")
+    assert status == 404 and body["error"].startswith("UNKNOWN_MODEL: model 'mlp' has no version 'bogus'")
+
+
+def test_a_keep_alive_rest_call_does_not_wait_for_delayed_acks(daemon):
+    # Without TCP_NODELAY on the gateway's connections each response waited out the client's
+    # delayed ACK: 40 ms or more per call, whatever the load.
+    import statistics
+    import time
+
+    connection = http.client.HTTPConnection(gateway_row(daemon)["http"], timeout=30)
+    try:
+        took = []
+        for _ in range(21):
+            started = time.perf_counter()
+            connection.request("GET", "/v2/health/live")
+            connection.getresponse().read()
+            took.append(time.perf_counter() - started)
+    finally:
+        connection.close()
+    assert statistics.median(took) < 0.035, took
 
 
 # -- inference ----------------------------------------------------------------------------------
@@ -339,6 +360,14 @@ def test_bad_input_through_tritonclient_gets_typed_errors(daemon):
             service_pb2_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.details() == "BAD_INPUT: input 'x': 100 bytes of data, but FP32 [1, 64] needs 256"
+    # Bytes that are no protobuf message at all.
+    with grpc.insecure_channel(row["grpc"]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as caught:
+            call(b"\xff\xff\xff\x0f", timeout=30)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details().startswith("BAD_REQUEST: the message is not a valid")
+    assert "Traceback" not in daemon.log()
     assert gateway_row(daemon)["pid"] == row["pid"]
     assert http_client.is_server_live()
 
@@ -450,4 +479,38 @@ def test_a_gateway_that_cannot_bind_backs_off_and_the_daemon_serves_on():
                 assert client.infer("mlp", torch.zeros(1, 64)).shape == (1, 10)
     finally:
         taken.close()
+    no_buffer_left()
+
+
+def test_a_gateway_without_an_ipc_frontend_is_refused_at_start():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    instance = gateway_daemon([mlp_model("mlp", workers=1)], frontend=[f"tcp://127.0.0.1:{port}"])
+    with instance:
+        code = instance.process.wait(60)
+        assert code == 1
+        assert "[gateway] needs an ipc:// frontend" in instance.log()
+
+
+def test_readiness_follows_the_workers():
+    with gateway_daemon([mlp_model("mlp", workers=1)]) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        grpc_client = grpcclient.InferenceServerClient(row["grpc"])
+        assert _get(row["http"], "/v2/health/ready")[0] == 200 and grpc_client.is_server_ready()
+        instance.command("stop", target="mlp")
+        poll_until(lambda: _get(row["http"], "/v2/health/ready") == (503, {"ready": False}), 60,
+                   message="the gateway not ready once the model has no READY worker")
+        assert _get(row["http"], "/v2/models/mlp/ready") == (503, {"name": "mlp", "ready": False})
+        assert not grpc_client.is_server_ready() and not grpc_client.is_model_ready("mlp")
+        assert _get(row["http"], "/v2/health/live")[0] == 200
+        # A slot still draining is not restarted: wait until it has stopped.
+        poll_until(lambda: [w["state"] for w in instance.workers("mlp")] == ["STOPPED"], 60,
+                   message="mlp#0 STOPPED")
+        instance.command("restart", target="mlp")
+        poll_until(lambda: _get(row["http"], "/v2/health/ready")[0] == 200, 90,
+                   message="the gateway ready again")
     no_buffer_left()

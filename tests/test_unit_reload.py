@@ -123,3 +123,15 @@ def test_a_python_source_version_hashes_the_module_file_found_without_importing(
     os.utime(package / "models.py", ns=(2, 2))
     assert book.of(config) != first
     assert "pkgx" not in sys.modules
+
+
+def test_declared_outputs_apply_in_place_and_the_gateway_section_needs_a_restart():
+    outputs = [{"name": "y", "dtype": "float32", "shape": [-1, 1]}]
+    change = diff(settings(model("a")), settings(model("a", outputs=outputs))).kept["a"]
+    assert not change.roll, change
+    old = settings(model("a"))
+    gatewayed = Settings(models=[model("a")], daemon={"allow_oversubscription": True},
+                         gateway={"http": "127.0.0.1:8000"})
+    with pytest.raises(ConfigError) as refused:
+        reload.check_daemon_unchanged(old, gatewayed)
+    assert refused.value.key == "gateway"
