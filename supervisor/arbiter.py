@@ -43,11 +43,12 @@ from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_f
 from modelwarden.supervisor.limits import check_message
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.health import EXIT_MODEL_FATAL, daemon_health
-from modelwarden.supervisor.placement import SlotPlacement, plan
+from modelwarden.supervisor.placement import SlotPlacement, available_cores, plan
 from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
 from modelwarden.supervisor import reload
 from modelwarden.supervisor.router import Router
+from modelwarden.supervisor.standby import placement_for
 from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
                                             claim_private_dir, claim_runtime_dir, restrict_socket)
 from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
@@ -450,7 +451,8 @@ class Arbiter:
             self._report_health()
         elif kind == protocol.FAILED:
             handle.failure = f"{header.get('stage')}: {header.get('message')}"
-            pool.slot_of(handle).failure = handle.failure
+            if not pool.standbys.owns(handle):  # a standby has no slot to blame
+                pool.slot_of(handle).failure = handle.failure
         else:
             logger.warning("%s sent an unknown message type %r", handle.worker_id, kind)
 
@@ -576,6 +578,19 @@ class Arbiter:
 
     def signal_worker(self, handle: WorkerHandle, signum: int) -> None:
         handle.signal(signum)
+
+    def standby_placement(self, pool: ModelPool, template: SlotPlacement) -> SlotPlacement:
+        pools = (*self.pools.values(), *self.leaving_pools)
+        claimed = {core for each in pools for slot in each.slots for core in slot.placement.cores}
+        claimed.update(core for each in pools for handle in each.standbys.live()
+                       for core in handle.spec.cores)
+        return placement_for(template, available_cores(), claimed)
+
+    def send_promote(self, handle: WorkerHandle) -> None:
+        spec = handle.spec
+        send_parts(self.backend, [handle.identity, protocol.pack(
+            {"type": protocol.PROMOTE, "slot": spec.slot, "generation": spec.generation,
+             "cores": list(spec.cores), "threads": spec.threads})])
 
     def on_worker_ready(self, pool: ModelPool) -> None:
         self.router.dispatch(pool)
