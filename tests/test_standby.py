@@ -99,9 +99,12 @@ def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots
 
 
 def test_a_promoted_standby_that_dies_at_once_counts_as_a_failed_start_of_its_slot():
-    with Daemon([standby_model("crashy", start_seconds=30.0)]) as daemon:
+    with Daemon([standby_model("crashy", start_seconds=3.0)]) as daemon:
         daemon.wait_ready()
         standby = warm_standby(daemon, "crashy")
+        # up longer than start_seconds: only its promotion makes its death a failed start
+        poll_until(lambda: slot_row(daemon, standby["id"])["uptime_s"] > 4.0, 30,
+                   message="the standby up for 4s")
         os.kill(slot_row(daemon, "crashy#0")["pid"], signal.SIGKILL)
         promoted_into(daemon, "crashy#0", standby["pid"])
         os.kill(standby["pid"], signal.SIGKILL)  # within start_seconds of its promotion
