@@ -772,6 +772,7 @@ class Arbiter:
             return
         self._workers_told_to_stop = True
         for pool in (*self.pools.values(), *self.leaving_pools):
+            pool.standbys.stop_all("shutdown")
             for slot in pool.slots:
                 self.timers.cancel(slot.backoff_timer)
             for handle in pool.handles():
