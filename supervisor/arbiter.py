@@ -674,7 +674,8 @@ class Arbiter:
     def _apply(self, new: Settings, placements: dict, why: str, release: bool = False) -> list[str]:
         """``release``: the file was re-read, so slots stopped by a command start again."""
         running = self._running_placements()
-        versions = {name: {handle.spec.version for handle in pool.handles()}
+        versions = {name: {handle.spec.version for handle in pool.handles()
+                           if not pool.standbys.owns(handle)}  # a leaving standby is no roll
                     for name, pool in self.pools.items()}
         changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
         judges = self._new_judges(new, changes)  # may refuse: nothing is touched before this
