@@ -24,6 +24,7 @@ from tests.faulty import reference
 from tests.helpers import (Daemon, alive, faulty_model, join_within, poll_until,
                            rewrite_config)
 from tests.load import run_load
+from tests.test_metrics import metrics_url, scrape, value
 
 FAST = {"start_seconds": 0.5, "heartbeat_timeout": 5.0, "kill_grace": 1.0, "timeout": 90.0,
         "backoff_initial": 0.1, "max_start_failures": 20}
@@ -69,8 +70,12 @@ def promoted_into(daemon: Daemon, worker_id: str, pid: int, timeout: float = 30)
                       timeout, interval=0.01, message=f"pid {pid} READY as {worker_id}")
 
 
-def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots_cores():
-    with Daemon([standby_model("sb")]) as daemon:
+@pytest.mark.parametrize("threads", [
+    1, pytest.param(2, marks=pytest.mark.skipif(
+        len(os.sched_getaffinity(0)) < 4, reason="2 threads and a spare 2 cores need 4 cores"))])
+def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots_cores(threads):
+    model = standby_model("sb", cores_per_worker=threads, threads=threads)
+    with Daemon([model], daemon={"metrics": "127.0.0.1:0"}) as daemon:
         daemon.wait_ready()
         standby = warm_standby(daemon, "sb")
         slot = slot_row(daemon, "sb#0")
@@ -82,7 +87,7 @@ def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots
         os.kill(slot["pid"], signal.SIGKILL)
         row = promoted_into(daemon, "sb#0", standby["pid"])
 
-        assert row["cores"] == slot["cores"] and row["threads"] == slot["threads"], row
+        assert row["cores"] == slot["cores"] and row["threads"] == slot["threads"] == threads, row
         threads = thread_affinities(standby["pid"])
         assert len(threads) > 1 and set(threads.values()) == {cpu_list(slot["cores"])}, threads
         assert row["promotions"] == 1 and row["promoted_at"] is not None, row
@@ -96,6 +101,11 @@ def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots
                            message="a new standby")
         assert fresh["id"] == "sb#standby1" and fresh["cores"] == standby["cores"]
         assert "promoting standby sb#standby0" in daemon.log()
+        url = metrics_url(daemon)
+        poll_until(lambda: value(scrape(url), "modelwarden_promotions_total", model="sb") == 1.0,
+                   10, message="one promotion counted")
+        poll_until(lambda: value(scrape(url), "modelwarden_workers", model="sb",
+                                 state="STANDBY") == 1.0, 10, message="the standby in the gauge")
 
 
 def test_a_promoted_standby_that_dies_at_once_counts_as_a_failed_start_of_its_slot():
