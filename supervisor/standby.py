@@ -7,7 +7,8 @@ STANDBY and serves nothing (worker/standby.py). It belongs to no slot: the slots
 never sees it, and its death only makes ``Standbys`` start another (after a delay that doubles
 while standbys fail to boot, so a model that cannot load does not spawn in a tight loop).
 
-``take(device)`` hands the pool one STANDBY worker for a slot that needs a new incarnation; the
+The first standbys start once every slot's first worker is up (READY or past its first try), so
+they never slow the daemon's start. ``take(device)`` hands the pool one STANDBY worker for a slot that needs a new incarnation; the
 pool promotes it (its ``_promote``) and calls ``fill`` so a new standby starts in the background.
 ``retire`` drains them all (a reload to a new version, or the model removed): a standby of an old
 version is never promoted.
@@ -24,7 +25,7 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from modelwarden.shared.states import WorkerState
+from modelwarden.shared.states import SlotState, WorkerState
 from modelwarden.supervisor.handle import WorkerHandle, exit_cause
 from modelwarden.supervisor.placement import SlotPlacement
 
@@ -83,6 +84,8 @@ class Standbys:
         pool = self.pool
         if self.host.stopping or not pool.slots or all(slot.held for slot in pool.slots):
             return
+        if any(slot.generation == 1 and slot.state == SlotState.STARTING for slot in pool.slots):
+            return  # the slots' first workers boot first: standbys must not delay serving
         live = self.live()
         for handle in live[pool.config.standby:]:
             self.let_go(handle, "more standbys than configured")

@@ -31,9 +31,12 @@ def warm(pool, handle) -> None:
 def serving_with_standby(host, workers: int = 1, **overrides):
     pool = make_pool(host, workers=workers, standby=1, **overrides)
     pool.start_all()
-    *slots, standby = host.launched
+    slots = list(host.launched)
+    assert len(slots) == workers  # the slots' first workers boot alone
     for handle in slots:
         ready(pool, handle)
+    pool.tick(host.now)
+    *_, standby = host.launched
     warm(pool, standby)
     return pool, slots, standby
 
@@ -64,8 +67,10 @@ def test_a_crash_promotes_the_standby_into_the_slot(host):
 def test_without_a_warm_standby_a_crash_spawns_as_before(host):
     pool = make_pool(host, standby=1)
     pool.start_all()
-    worker, booting = host.launched
+    worker, = host.launched
     ready(pool, worker)
+    pool.tick(host.now)
+    assert host.launched[-1].worker_id == "m#standby0"  # booting, not warm yet
     host.advance(60)
     exit_with(pool, worker, -9)
     assert host.promoted == [] and pool.slots[0].current is host.launched[-1]
