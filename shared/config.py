@@ -12,10 +12,7 @@ directory. An invalid configuration raises ConfigError naming the key path and t
 from __future__ import annotations
 
 import ipaddress
-import json
-import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -23,27 +20,17 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from modelwarden.shared.cpulist import format_cores
 from modelwarden.shared.protocol import DTYPES
+from modelwarden.shared.rawconfig import (  # noqa: F401  (the names config's users import)
+    ENV_CLIENT_KEY, ENV_CONFIG, ENV_ENDPOINT, ENV_PREFIX, ENV_SERVER_KEY, SYSTEM_RUNTIME_DIR,
+    ConfigError, admin_endpoint, client_runtime_dir, config_path, control_endpoint,
+    default_runtime_dir, raw_settings, read_toml, runtime_dir)
 
-ENV_PREFIX = "MODELWARDEN_"
-ENV_CONFIG = "MODELWARDEN_CONFIG"
-ENV_ENDPOINT = "MODELWARDEN_ENDPOINT"
-ENV_SERVER_KEY = "MODELWARDEN_SERVER_KEY"
-ENV_CLIENT_KEY = "MODELWARDEN_CLIENT_KEY"
-_NOT_OVERRIDES = {ENV_CONFIG, ENV_ENDPOINT, ENV_SERVER_KEY, ENV_CLIENT_KEY}
 SOURCE_SCHEMES = ("torchscript", "export", "python")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
                "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
-
-
-class ConfigError(Exception):
-    """An unusable configuration: ``key`` is a dotted path into the file, ``problem`` says why."""
-
-    def __init__(self, key: str, problem: str) -> None:
-        super().__init__(f"{key}: {problem}" if key else problem)
-        self.key = key
-        self.problem = problem
 
 
 def parse_size(value: Any) -> int | None:
@@ -133,6 +120,10 @@ class ModelConfig(_Strict):
     inputs: list[InputSpec] | None = None
     reject_nonfinite: bool = False
     cuda_fallback_to_cpu: bool = False
+    # weights from a file (worker/weights.py): "mmap" shares one copy between workers
+    weights: Literal["load", "mmap"] = "load"
+    weights_file: str | None = Field(default=None, min_length=1, description=(
+        ".safetensors, .pt or .pth state dict; relative to the file, or package:NAME/PATH"))
     # requests
     timeout: float = Field(default=30.0, gt=0, description="default request deadline, seconds")
     max_queue: int = Field(default=1024, ge=1)
@@ -194,6 +185,10 @@ class ModelConfig(_Strict):
                 raise ValueError("every core set in 'cores' needs at least one core")
         if self.ready_min is not None and self.ready_min > self.workers:
             raise ValueError(f"ready_min {self.ready_min} is more than the {self.workers} workers")
+        if self.weights == "mmap" and self.weights_file is None:
+            raise ValueError("weights = \"mmap\" needs a weights_file to map")
+        if self.weights_file is not None and self.source.startswith("torchscript:"):
+            raise ValueError("weights_file needs a python: or export: source (an nn.Module)")
         if self.warmup > 0 and not self.inputs and self.probe.input is None:
             raise ValueError("warm-up needs an example input: declare 'inputs' or 'probe.input' "
                              "(or set warmup = 0)")
@@ -342,9 +337,7 @@ class Settings(BaseSettings):
 
     @property
     def runtime_dir(self) -> Path:
-        if self.daemon.runtime_dir is not None:
-            return self.resolve(self.daemon.runtime_dir)
-        return default_runtime_dir()
+        return runtime_dir(self.daemon.runtime_dir, self.base_dir)
 
     @property
     def frontends(self) -> list[str]:
@@ -352,7 +345,7 @@ class Settings(BaseSettings):
 
     @property
     def control_endpoint(self) -> str:
-        return self.daemon.control or f"ipc://{self.runtime_dir}/control.sock"
+        return control_endpoint(self.runtime_dir, self.daemon.control)
 
     @property
     def private_dir(self) -> Path:
@@ -365,7 +358,7 @@ class Settings(BaseSettings):
 
     @property
     def admin_endpoint(self) -> str:
-        return self.daemon.admin or f"ipc://{self.private_dir}/admin.sock"
+        return admin_endpoint(self.runtime_dir, self.daemon.admin)
 
     def model(self, name: str) -> ModelConfig | None:
         return next((model for model in self.models if model.name == name), None)
@@ -386,28 +379,6 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-SYSTEM_RUNTIME_DIR = Path("/run/modelwarden")  # the system daemon's (root's default)
-
-
-def default_runtime_dir() -> Path:
-    if os.geteuid() == 0:
-        return SYSTEM_RUNTIME_DIR
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(xdg) / "modelwarden" if xdg else Path(f"/tmp/modelwarden-{os.geteuid()}")
-
-
-def client_runtime_dir() -> Path:
-    """Where a client with no configuration looks for the daemon: its own default runtime
-    directory if a daemon has run there (its pid file), else the system daemon's when there is
-    one, so a member of ``shm_group`` reaches it without MODELWARDEN_CONFIG."""
-    own = default_runtime_dir()
-    # The system directory itself, not its pid file: someone outside the group cannot see into
-    # it, and should be told "permission denied" there rather than "no socket" in their own.
-    if (own / "modelwarden.pid").exists() or not SYSTEM_RUNTIME_DIR.is_dir():
-        return own
-    return SYSTEM_RUNTIME_DIR
-
-
 class _FileWithEnvOverrides(PydanticBaseSettingsSource):
     """TOML file first, then MODELWARDEN_* variables merged in key by key."""
 
@@ -415,68 +386,15 @@ class _FileWithEnvOverrides(PydanticBaseSettingsSource):
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        data: dict[str, Any] = {}
-        path = _CURRENT_PATH.get("path")
-        if path is not None:
-            data = _read_toml(path)
-            data["config_path"] = str(path)
-        for name, raw in sorted(os.environ.items()):
-            if name.startswith(ENV_PREFIX) and name not in _NOT_OVERRIDES:
-                keys = name[len(ENV_PREFIX):].split("__")
-                _apply_override(data, [key.lower() for key in keys[:1]] + keys[1:], raw)
-        return data
+        return raw_settings(_CURRENT_PATH.get("path"))
 
 
 _CURRENT_PATH: dict[str, Path | None] = {}
 
 
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as handle:
-            return tomllib.load(handle)
-    except FileNotFoundError:
-        raise ConfigError("", f"config file {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("", f"{path} is not valid TOML: {exc}") from None
-
-
-def _env_value(raw: str) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
-
-
-def _apply_override(data: dict[str, Any], keys: list[str], raw: str) -> None:
-    if keys[0] == "models" and len(keys) >= 3:
-        models = data.setdefault("models", [])
-        target = _find_model(models, keys[1])
-        node = target
-        keys = keys[2:]
-    else:
-        node = data
-    keys = [key.lower() for key in keys]
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(".".join(keys), "environment override reaches into a non-table")
-    node[keys[-1]] = _env_value(raw)
-
-
-def _find_model(models: list, key: str) -> dict:
-    for model in models:
-        if isinstance(model, dict) and model.get("name") == key:
-            return model
-    if key.isdigit() and int(key) < len(models):
-        return models[int(key)]
-    raise ConfigError(f"models.{key}", "environment override names no configured model")
-
-
 def load_settings(path: str | Path | None = None) -> Settings:
     """Read, merge and validate the configuration; raises ConfigError, never ValidationError."""
-    if path is None and os.environ.get(ENV_CONFIG):
-        path = os.environ[ENV_CONFIG]
-    resolved = Path(path).expanduser().resolve() if path is not None else None
+    resolved = config_path(path)
     _CURRENT_PATH["path"] = resolved
     try:
         settings = Settings()
@@ -492,7 +410,7 @@ def load_settings(path: str | Path | None = None) -> Settings:
 def _first_problem(exc: ValidationError, path: Path | None) -> ConfigError:
     error = exc.errors()[0]
     key = format_key(error["loc"])
-    models = _read_toml(path).get("models", []) if path else []
+    models = read_toml(path).get("models", []) if path else []
     loc = error["loc"]
     if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int) and loc[1] < len(models):
         name = models[loc[1]].get("name") if isinstance(models[loc[1]], dict) else None
@@ -576,19 +494,3 @@ class WorkerSpec:
         if self.device.startswith("cuda"):
             return self.device
         return f"cpu[{format_cores(self.cores)}]"
-
-
-def format_cores(cores: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (the kernel's cpu-list format)."""
-    parts, start, prev = [], None, None
-    for core in sorted(cores):
-        if start is None:
-            start = prev = core
-        elif core == prev + 1:
-            prev = core
-        else:
-            parts.append(f"{start}-{prev}" if start != prev else str(start))
-            start = prev = core
-    if start is not None:
-        parts.append(f"{start}-{prev}" if start != prev else str(start))
-    return ",".join(parts)

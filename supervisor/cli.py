@@ -169,7 +169,7 @@ def cmd_serve(args) -> int:
 
 def _check(plan) -> int:
     """Print the plan; exit 2 if it names a CUDA device this machine lacks."""
-    from modelwarden.shared.config import format_cores
+    from modelwarden.shared.cpulist import format_cores
     from modelwarden.supervisor.devices import missing_devices
 
     missing = missing_devices([slot.device for slots in plan.values() for slot in slots])
@@ -257,19 +257,17 @@ def _watch(args, endpoint: str, header: dict) -> int:
 
 
 def _command_endpoint(args, mutating: bool) -> str:
-    """Mutating commands go to the admin socket, the others to the control socket. With no
-    configuration at all, the daemon is looked for where ``client_runtime_dir`` says: a member
-    of ``shm_group`` finds the system daemon in /run/modelwarden."""
-    from modelwarden.shared.config import ENV_CONFIG, client_runtime_dir
+    """Mutating commands go to the admin socket, the others to the control socket, found in the
+    file without validating all of it (shared/rawconfig.py: status stays light)."""
+    from modelwarden.shared.rawconfig import ConfigError, command_endpoint
 
     given = args.admin if mutating else args.control
     if given:
         return given
-    settings = _settings(args)
-    if not args.config and not os.environ.get(ENV_CONFIG) and settings.daemon.runtime_dir is None:
-        runtime = client_runtime_dir()
-        return f"ipc://{runtime}/private/admin.sock" if mutating else f"ipc://{runtime}/control.sock"
-    return settings.admin_endpoint if mutating else settings.control_endpoint
+    try:
+        return command_endpoint(args.config, mutating)
+    except ConfigError as exc:
+        raise SystemExit(_fail(f"config error: {exc}", EXIT_CONFIG)) from None
 
 
 def cmd_infer(args) -> int:

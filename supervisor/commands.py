@@ -24,7 +24,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from modelwarden.shared import __version__
-from modelwarden.shared.config import format_cores
+from modelwarden.shared.cpulist import format_cores
 from modelwarden.shared.errors import RemoteError
 from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
 from modelwarden.shared.states import SlotState

@@ -11,10 +11,12 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.states import ALIVE, EXIT_NAMES, WorkerState, check_transition
+
+if TYPE_CHECKING:  # the status command imports this module and must not pay for pydantic
+    from modelwarden.shared.config import WorkerSpec
 
 logger = logging.getLogger(__name__)
 _PAGE = os.sysconf("SC_PAGE_SIZE")

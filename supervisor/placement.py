@@ -18,7 +18,8 @@ import logging
 import os
 from dataclasses import dataclass
 
-from modelwarden.shared.config import ConfigError, Settings, format_cores
+from modelwarden.shared.config import ConfigError, Settings
+from modelwarden.shared.cpulist import format_cores
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ model's code): the first 12 hex digits of a SHA-256 over
   * the factory module's source file, for ``python:module:callable`` (found on the daemon's
     ``python_path`` and ``sys.path`` the way the worker's import will find it: ``a/b.py`` or
     ``a/b/__init__.py``; a module with no source file found hashes its name);
+  * the ``weights_file``'s bytes, when one is set;
   * and the model's ``kwargs``, which change what the factory builds as much as its code does.
 
 New weights put in place therefore make a new version at the next spawn (``modelwarden restart``)
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Iterable
 
 from modelwarden.shared.config import ModelConfig
+from modelwarden.shared.weightsfile import WeightsFileError, resolve_weights_file
 
 logger = logging.getLogger(__name__)
 DIGITS = 12
@@ -50,6 +52,8 @@ class VersionBook:
         digest = hashlib.sha256(model.source.encode())
         path = self.source_file(model.source)
         digest.update(self._file_digest(path).encode() if path is not None else b"no source file")
+        if model.weights_file is not None:
+            digest.update(self._weights_digest(model.weights_file).encode())
         digest.update(json.dumps(model.kwargs, sort_keys=True, default=str).encode())
         return digest.hexdigest()[:DIGITS]
 
@@ -60,6 +64,12 @@ class VersionBook:
             return path if path.is_absolute() else self.base_dir / path
         module = rest.partition(":")[0]
         return find_module_file(module, [*self.python_path, *sys.path])
+
+    def _weights_digest(self, weights_file: str) -> str:
+        try:
+            return self._file_digest(resolve_weights_file(weights_file, self.base_dir, self.python_path))
+        except WeightsFileError:
+            return "missing"
 
     def _file_digest(self, path: Path) -> str:
         try:

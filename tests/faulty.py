@@ -198,3 +198,19 @@ def pair_reference(a: torch.Tensor, b: torch.Tensor, out: str = "tuple",
 
 def make_pair(out: str = "tuple", gate: str | None = None) -> nn.Module:
     return Pair(out, gate)
+
+
+class WeightWriter(nn.Sequential):
+    """modelwarden.examples.make_mlp's layers (the same state dict keys), built empty for a
+    weights_file, that adds 1.0 to its first layer's weights, in place, whenever the input holds
+    MARKER: a model that writes to a parameter the workers may share."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x == MARKER).any()):
+            self[0].weight.data.add_(1.0)
+        return super().forward(x)
+
+
+def make_weight_writer(in_features: int = 64, hidden: int = 256, out_features: int = 10) -> nn.Module:
+    with torch.device("meta"):
+        return WeightWriter(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, out_features))

@@ -37,7 +37,7 @@ def imports_after(argv: list[str]) -> dict:
               "from modelwarden.supervisor.cli import main\n"
               f"code = main({argv!r})\n"
               "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules,"
-              " 'numpy': 'numpy' in sys.modules}))\n")
+              " 'numpy': 'numpy' in sys.modules, 'pydantic': 'pydantic' in sys.modules}))\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                           timeout=60)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -51,6 +51,21 @@ def test_status_restart_and_stop_never_import_torch():
         assert {command: (f["code"], f["torch"]) for command, f in found.items()} == {
             "status": (0, False), "restart": (0, False), "stop": (0, False)}, found
         poll_until(lambda: daemon.process.poll() == 0, 30, message="stopped by the CLI")
+
+
+def test_control_commands_find_the_daemon_through_the_config_without_validating_it():
+    """`watch modelwarden status` must stay cheap: the endpoint comes from the raw file
+    (shared/rawconfig.py), so neither pydantic nor torch is imported, and the answer is the
+    daemon's even with MODELWARDEN_DAEMON__CONTROL pointing the file elsewhere."""
+    with Daemon([]) as daemon:
+        poll_until(lambda: daemon.status(), 30, message="the daemon answering")
+        found = imports_after(["status", "--config", str(daemon.config_path)])
+        assert found == {"code": 0, "torch": False, "numpy": False, "pydantic": False}, found
+        moved = cli("status", "--config", str(daemon.config_path),
+                    env={"MODELWARDEN_DAEMON__CONTROL": "ipc:///nonexistent/control.sock"})
+        assert moved.returncode == 3 and "/nonexistent/control.sock" in moved.stderr, moved.stderr
+        assert cli("stop", "--config", str(daemon.config_path)).returncode == 0
+        poll_until(lambda: daemon.process.poll() == 0, 30, message="stopped through the admin socket")
 
 
 def one_line_error(done: subprocess.CompletedProcess, code: int = EXIT_CONFIG) -> str:

@@ -17,7 +17,7 @@ import zmq
 from examples.models import make_mlp
 from modelwarden.shared import protocol
 from modelwarden.shared.client import BadInput, BadRequest, Client, UnknownModel
-from modelwarden.shared.config import format_cores
+from modelwarden.shared.cpulist import format_cores
 from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame,
                            join_within, mlp_model, poll_until, raw_request)
 

@@ -6,6 +6,10 @@ Sources:
   ``python:module:callable`` a factory called with the model's ``kwargs``, returning an
                             nn.Module or any callable
 Relative paths are relative to the configuration file's directory.
+
+With ``weights_file`` set, the module the source gave takes its parameters and buffers from that
+file (worker/weights.py), mapped copy-on-write when ``weights = "mmap"``, before it is moved to
+its device.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import torch
 
 from modelwarden.shared.codec import TORCH_DTYPES
 from modelwarden.shared.config import WorkerSpec
+from modelwarden.shared.weightsfile import resolve_weights_file
+from modelwarden.worker.weights import assign_weights, read_state_dict
 
 
 class LoadError(RuntimeError):
@@ -30,6 +36,8 @@ def load_model(spec: WorkerSpec, device: torch.device) -> Callable:
     scheme, _, rest = spec.model.source.partition(":")
     try:
         model = _LOADERS[scheme](rest, spec, device)
+        if spec.model.weights_file is not None:
+            _load_weights(model, spec)
         if isinstance(model, torch.nn.Module):
             model = _to_inference(model, device)
     except LoadError:
@@ -39,6 +47,14 @@ def load_model(spec: WorkerSpec, device: torch.device) -> Callable:
     if not callable(model):
         raise LoadError(f"{spec.model.source} gave a {type(model).__name__}, not a callable")
     return model
+
+
+def _load_weights(model: Any, spec: WorkerSpec) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise LoadError(f"{spec.model.source} gave a {type(model).__name__}, not an nn.Module: "
+                        "weights_file cannot be loaded into it")
+    path = resolve_weights_file(spec.model.weights_file, Path(spec.base_dir), spec.python_path)
+    assign_weights(model, read_state_dict(path, spec.model.weights))
 
 
 def _to_inference(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

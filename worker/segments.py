@@ -7,7 +7,8 @@ pair's queue: a miss drains the queue and looks again. Each descriptor is mapped
 once (the mapping keeps the memory). Buffers are sealed memfds: they cannot shrink, so a mapping
 never faults past its end and needs no size check per use. A mapping is dropped when the
 supervisor says the token was revoked (``forget``); the memory goes when the last tensor over
-it is freed.
+it is freed. On a CUDA worker each mapping is also page-locked while it is held
+(worker/hostpin.py), so inputs in it reach the device by DMA.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ logger = logging.getLogger(__name__)
 
 
 class SegmentMaps:
-    def __init__(self, pair: socket.socket | None) -> None:
+    def __init__(self, pair: socket.socket | None, pinner=None) -> None:
         self.pair = pair
+        self.pinner = pinner  # a HostPinner on a CUDA worker, else None
         self._maps: dict[str, Segment] = {}
         if pair is not None:
             pair.setblocking(False)
@@ -68,9 +70,12 @@ class SegmentMaps:
             return
         for token, size, fd in zip(tokens, sizes, fds):
             try:
-                self._maps[token] = attach_segment(fd, size, token)
+                segment = self._maps[token] = attach_segment(fd, size, token)
             except OSError as exc:
                 logger.error("buffer pair: cannot map a buffer: %s", exc)
+                continue
+            if self.pinner is not None:
+                self.pinner.pin(segment)
 
     def region(self, token: str, offset: int, nbytes: int) -> tuple[Segment, object]:
         """The buffer and a uint8 view of [offset, offset+nbytes) (the supervisor checked it)."""
@@ -85,8 +90,9 @@ class SegmentMaps:
     def forget(self, tokens: list) -> None:
         self.drain()  # a token's descriptor may still be queued: take it, then drop it
         for token in tokens:
-            if isinstance(token, str):
-                self._maps.pop(token, None)
+            segment = self._maps.pop(token, None) if isinstance(token, str) else None
+            if segment is not None and self.pinner is not None:
+                self.pinner.unpin(segment)
 
     def __len__(self) -> int:
         return len(self._maps)

@@ -59,6 +59,7 @@ from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT
 from modelwarden.shared.shm import ALIGN, Segment
 from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.states import EXIT_OK, EXIT_ORPHANED
+from modelwarden.worker.hostpin import HostPinner
 from modelwarden.worker.segments import SegmentMaps
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class WorkerServer:
         self.channel = channel
         self.parent_sentinel = parent_sentinel
         self.probe_args = probe_args
-        self.segments = SegmentMaps(buffer_pair)
+        self.segments = SegmentMaps(buffer_pair, HostPinner.for_device(device))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.served = 0
 
