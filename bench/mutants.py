@@ -364,7 +364,7 @@ MUTATIONS = [
       ("tests/test_gpu_check.py::test_a_cuda_worker_pins_each_client_buffer_while_it_holds_it",)),
     # -- warm standby workers (issue 14) -------------------------------------------------------
     M("standby-never-promoted", "supervisor/pool.py",
-      "        standby = self.standbys.take(slot.placement.device)\n",
+      "        standby = self.standbys.take(slot)\n",
       "        standby = None\n",
       ("tests/test_standby.py::test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots_cores[1]",
        "tests/test_standby.py::test_a_worker_recycled_by_max_requests_is_replaced_by_the_standby",

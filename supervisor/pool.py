@@ -178,7 +178,7 @@ class ModelPool:
         self.host.timers.cancel(slot.backoff_timer)
         slot.backoff_timer = slot.backoff_until = None
         slot.generation += 1
-        standby = self.standbys.take(slot.placement.device)
+        standby = self.standbys.take(slot)
         if standby is not None:
             return self._promote(slot, standby)
         spec = self.host.worker_spec(self.config, slot.index, slot.generation, slot.placement)

@@ -70,12 +70,18 @@ class Standbys:
         return [handle for handle in self.handles
                 if handle.alive and handle.state != S.DRAINING and not handle.retiring]
 
-    def take(self, device: str) -> WorkerHandle | None:
-        """A warmed standby for a slot on ``device``, now the caller's; None if none is warm."""
+    def take(self, slot) -> WorkerHandle | None:
+        """A warmed standby that can serve ``slot``, now the caller's; None if none is warm.
+        Only on the slot's device: a process cannot change GPUs. With a bare ``cuda`` (the
+        device chosen by slot index in the worker) only one modelled on that very slot will do."""
+        device = slot.placement.device
         for handle in self.ready():
-            if handle.spec.device == device and not handle.retiring:
-                self.handles.remove(handle)
-                return handle
+            if handle.retiring or handle.spec.device != device:
+                continue
+            if device == "cuda" and handle.spec.slot != slot.index:
+                continue
+            self.handles.remove(handle)
+            return handle
         return None
 
     def fill(self) -> None:
@@ -97,9 +103,12 @@ class Standbys:
         pool = self.pool
         serial = self.serial
         self.serial += 1
-        template = pool.slots[serial % len(pool.slots)].placement
+        index = serial % len(pool.slots)
+        template = pool.slots[index].placement
         placement = self.host.standby_placement(pool, template)
-        spec = dataclasses.replace(self.host.worker_spec(pool.config, -1, 0, placement),
+        # ``slot``: the slot it is modelled on (a bare "cuda" picks its GPU by it); its id and
+        # routing use ``standby`` until it is promoted
+        spec = dataclasses.replace(self.host.worker_spec(pool.config, index, 0, placement),
                                    standby=serial)
         try:
             handle = self.host.launch(spec, pool._on_state)

@@ -157,3 +157,23 @@ def test_a_standby_takes_spare_cores_or_sleeps_on_its_slots():
     assert placement_for(slot, [0, 1, 2], {0, 1}) == slot  # one spare core is not enough
     gpu = SlotPlacement([0], 1, "cuda:0")
     assert placement_for(gpu, [0, 1], {0}) == gpu
+
+
+def test_a_standby_on_a_bare_cuda_device_is_promoted_only_into_the_slot_it_was_modelled_on(host):
+    # a bare "cuda" picks the GPU by slot index in the worker: slot 1 may be another GPU
+    pool = make_pool(host, workers=2, standby=1)
+    for slot in pool.slots:
+        slot.placement = SlotPlacement([slot.index], 1, "cuda")
+    pool.start_all()
+    first, second = host.launched
+    ready(pool, first)
+    ready(pool, second)
+    pool.tick(host.now)
+    standby = host.launched[-1]
+    assert standby.spec.slot == 0 and standby.spec.device == "cuda"
+    warm(pool, standby)
+    host.advance(60)
+    exit_with(pool, second, -9)
+    assert host.promoted == [] and pool.slots[1].current.worker_id == "m#1"
+    exit_with(pool, first, -9)
+    assert host.promoted == [standby] and pool.slots[0].current is standby
