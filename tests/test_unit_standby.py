@@ -177,3 +177,18 @@ def test_a_standby_on_a_bare_cuda_device_is_promoted_only_into_the_slot_it_was_m
     assert host.promoted == [] and pool.slots[1].current.worker_id == "m#1"
     exit_with(pool, first, -9)
     assert host.promoted == [standby] and pool.slots[0].current is standby
+
+
+@pytest.mark.parametrize("header", [
+    {"slot": 0, "generation": 2, "cores": [], "threads": 1},
+    {"slot": 0, "generation": 2, "cores": [0], "threads": 2},  # more threads than cores
+    {"slot": "0", "generation": 2, "cores": [0], "threads": 1},
+    {"slot": 0, "generation": 2, "cores": ["0"], "threads": 1},
+    {"slot": 0, "cores": [0], "threads": 1},
+])
+def test_a_promotion_that_cannot_be_applied_is_a_placement_error(header):
+    from modelwarden.worker.placement import PlacementError
+    from modelwarden.worker.standby import promote
+
+    with pytest.raises(PlacementError, match="bad promotion"):
+        promote(None, header)  # refused before anything is touched

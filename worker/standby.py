@@ -85,15 +85,18 @@ def promote(spec: WorkerSpec, header: dict) -> None:
     import torch
 
     cores, threads = header.get("cores"), header.get("threads")
+    slot, generation = header.get("slot"), header.get("generation")
     if (not isinstance(cores, list) or not cores or not all(isinstance(c, int) for c in cores)
-            or not isinstance(threads, int) or not 1 <= threads <= len(cores)):
-        raise PlacementError(f"bad promotion: cores {cores!r}, threads {threads!r}")
+            or not isinstance(threads, int) or not 1 <= threads <= len(cores)
+            or not isinstance(slot, int) or not isinstance(generation, int)):
+        raise PlacementError(f"bad promotion: slot {slot!r}, generation {generation!r}, "
+                             f"cores {cores!r}, threads {threads!r}")
     was = spec.worker_id
     moved = repin_every_thread(cores)
     torch.set_num_threads(threads)
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # for any pool created from now on
         os.environ[name] = str(threads)
-    spec.slot, spec.generation = int(header.get("slot", spec.slot)), int(header.get("generation", 0))
+    spec.slot, spec.generation = slot, generation
     spec.cores, spec.threads, spec.standby = sorted(cores), threads, None
     setup_logging(spec.worker_id, spec.log_level, spec.log_format)
     _retitle(spec)
