@@ -57,6 +57,18 @@ def thread_affinities(pid: int) -> dict[int, str]:
     return found
 
 
+def thread_nice(pid: int) -> dict[int, int]:
+    """The nice value of every thread of ``pid`` (field 19 of /proc/<pid>/task/<tid>/stat)."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        found[int(tid)] = int(stat[stat.rfind(")") + 2:].split()[16])
+    return found
+
+
 def cpu_list(cores: list[int]) -> str:
     from modelwarden.shared.config import format_cores
 
@@ -83,6 +95,8 @@ def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots
         # two cores, one slot: the standby sleeps on the core the slot does not use
         assert standby["cores"] != slot["cores"], (standby, slot)
         assert set(thread_affinities(standby["pid"]).values()) == {cpu_list(standby["cores"])}
+        # it booted in the background (as root it may restore its priority when promoted)
+        assert set(thread_nice(standby["pid"]).values()) == ({10} if os.geteuid() == 0 else {0})
 
         os.kill(slot["pid"], signal.SIGKILL)
         row = promoted_into(daemon, "sb#0", standby["pid"])
@@ -90,6 +104,7 @@ def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots
         assert row["cores"] == slot["cores"] and row["threads"] == slot["threads"] == threads, row
         threads = thread_affinities(standby["pid"])
         assert len(threads) > 1 and set(threads.values()) == {cpu_list(slot["cores"])}, threads
+        assert set(thread_nice(standby["pid"]).values()) == {0}  # serving at full priority
         assert row["promotions"] == 1 and row["promoted_at"] is not None, row
         assert row["generation"] == slot["generation"] + 1
         with Client(daemon.endpoint, timeout=30) as client:

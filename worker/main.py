@@ -51,6 +51,10 @@ def run(spec: WorkerSpec, buffer_pair=None) -> None:
         pin_cpu(spec)
     except PlacementError as exc:
         boot_error = str(exc)
+    if spec.standby is not None:
+        from modelwarden.worker.standby import boot_in_the_background
+
+        boot_in_the_background()  # before any thread exists: every thread inherits it
     channel = _connect(spec)
     if boot_error is not None:
         _fail(channel, "boot", boot_error, EXIT_BOOT_ERROR)

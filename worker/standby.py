@@ -14,6 +14,13 @@ standby with the thread count of the slots it may replace, so the OpenMP pool wa
 its first parallel region and ``set_num_threads`` here does not resize it (docs/ARCHITECTURE.md,
 "Standby workers", says what re-pinning can and cannot guarantee). A promotion whose cores
 cannot be applied is a boot error (exit 3): the slot's crash-loop rules take it from there.
+
+A standby boots in the background: before its first thread exists it lowers its CPU priority
+(nice ``STANDBY_NICE``), so that on a busy host its import, load and warm-up take the CPU the
+serving workers leave, and on promotion it restores its priority on every thread. It does so
+only when it will be allowed to restore it (CAP_SYS_NICE, or an RLIMIT_NICE that reaches back):
+an unprivileged process can lower its priority but never raise it again, and a promoted worker
+left at a low priority would serve slowly for ever.
 """
 
 from __future__ import annotations
@@ -34,6 +41,36 @@ from modelwarden.shared.states import EXIT_BOOT_ERROR, EXIT_OK, EXIT_ORPHANED
 from modelwarden.worker.placement import PlacementError
 
 logger = logging.getLogger(__name__)
+STANDBY_NICE = 10  # a nice-0 task gets ~10x the CPU of a nice-10 one when both want it
+CAP_SYS_NICE = 23
+_restore_nice: int | None = None  # the priority to restore on promotion, once lowered
+
+
+def boot_in_the_background() -> bool:
+    """Lower this process's CPU priority for its boot if it can be restored; True if lowered."""
+    global _restore_nice
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if not _may_raise_priority_to(current):
+        logger.info("standby boots at normal priority: it could not restore it when promoted "
+                    "(no CAP_SYS_NICE, RLIMIT_NICE below %d)", 20 - current)
+        return False
+    os.setpriority(os.PRIO_PROCESS, 0, min(19, current + STANDBY_NICE))
+    _restore_nice = current
+    return True
+
+
+def _may_raise_priority_to(nice: int) -> bool:
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    if soft == resource.RLIM_INFINITY or soft >= 20 - nice:
+        return True
+    try:
+        with open("/proc/self/status") as status:
+            line = next(l for l in status if l.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
 
 
 def wait_for_promotion(spec: WorkerSpec, channel, parent_sentinel: int | None) -> int | None:
@@ -112,7 +149,7 @@ def repin_every_thread(cores: list[int]) -> int:
     another thread created meanwhile)."""
     wanted = set(cores)
     try:
-        os.sched_setaffinity(0, wanted)
+        _move(0, wanted)
     except OSError as exc:
         raise PlacementError(f"cannot pin to cores {sorted(wanted)}: {exc}") from None
     moved: set[int] = {threading.get_native_id()}
@@ -122,10 +159,20 @@ def repin_every_thread(cores: list[int]) -> int:
             return len(moved)
         for tid in fresh:
             try:
-                os.sched_setaffinity(tid, wanted)
+                _move(tid, wanted)
             except ProcessLookupError:
                 pass  # it exited between the listing and now
             moved.add(tid)
+
+
+def _move(tid: int, cores: set[int]) -> None:
+    """One thread onto ``cores``, at the priority it had before its background boot."""
+    os.sched_setaffinity(tid, cores)
+    if _restore_nice is not None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, _restore_nice)  # per thread on Linux
+        except PermissionError:  # the limit changed under us: serve, slower, and say so
+            logger.warning("thread %d: cannot restore CPU priority %d", tid, _restore_nice)
 
 
 def _retitle(spec: WorkerSpec) -> None:
