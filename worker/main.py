@@ -8,7 +8,8 @@ Boot order, each step reported to the supervisor before the next:
   5. WARMING: run ``warmup`` iterations, measure the probe baseline (failure: exit 5)
   6. READY: serve until told to stop (exit 0) or orphaned (exit 6)
      A standby (``spec.standby`` set) reports STANDBY instead and waits to be promoted into a
-     slot (worker/standby.py), then reports READY and serves.
+     slot (worker/standby.py), then reports READY and serves. It boots at a lower CPU priority
+     (set after step 2, before any thread exists) when it may restore it on promotion.
 
 This module must not import torch at module level: spawn imports it in the child before ``run``
 gets a chance to pin the process and set the thread variables.
