@@ -4,12 +4,15 @@ virtualenv can build the same architecture and load the same weights.
     source = "python:bench.models:make_mlp"     # W1 small: 64 -> 256 -> 10
     source = "python:bench.models:make_busy"    # W2 busy: a chain of width x width matmuls
     source = "python:bench.models:make_identity"  # W3 big: forward(x) = x
+    source = "python:bench.models:make_slow_loading"  # bench/recovery.py: a ~1 s load
 
 Weights come from a fixed seed. The peers do not rely on the seed alone: the benchmark writes
 each model's state dict to a file and the peer's server loads it (``load_model``).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -30,6 +33,13 @@ def make_mlp(in_features: int = 64, hidden: int = 256, out_features: int = 10,
     """x [N, 64] -> logits [N, 10]."""
     model = nn.Sequential(nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, out_features))
     return _seeded(model, seed)
+
+
+def make_slow_loading(load_seconds: float = 1.0, hidden: int = 256, seed: int = 0) -> nn.Module:
+    """The W1 MLP behind a load that takes ``load_seconds`` (a bigger model's read and
+    deserialisation, stood in for by a wait): bench/recovery.py's model."""
+    time.sleep(load_seconds)
+    return make_mlp(hidden=hidden, seed=seed)
 
 
 def make_busy(depth: int = 8, width: int = BUSY_WIDTH, seed: int = 0) -> nn.Module:

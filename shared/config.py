@@ -110,6 +110,8 @@ class ModelConfig(_Strict):
     version: str | None = Field(default=None, min_length=1, max_length=128, description=(
         "default: a hash of the model file or factory module and the kwargs"))
     workers: int = Field(default=1, ge=1, le=1024)
+    standby: int = Field(default=0, ge=0, le=64, description=(
+        "warm standby workers, promoted into a slot whose worker dies or is retired"))
     device: str | list[str] = "cpu"
     cores_per_worker: int | None = Field(default=None, ge=1)
     cores: list[list[int]] | None = None
@@ -512,6 +514,7 @@ class WorkerSpec:
     log_level: str = "INFO"
     log_format: str = "text"
     version: str = ""  # the model's version (supervisor/versions.py); in every reply header
+    standby: int | None = None  # a standby's serial number until it is promoted (then None)
     # Fresh random bytes for every incarnation (supervisor.workerauth): the routing id cannot be
     # guessed and the secret proves the sender is the process we spawned. Both travel only in
     # this pickled spec, through multiprocessing's spawn pipe: never argv, never environment.
@@ -520,6 +523,8 @@ class WorkerSpec:
 
     @property
     def worker_id(self) -> str:
+        if self.standby is not None:
+            return f"{self.model.name}#standby{self.standby}"
         return f"{self.model.name}#{self.slot}"
 
     @property

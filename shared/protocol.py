@@ -208,6 +208,7 @@ RUN = "run"            # supervisor -> worker: one request, or the probe
 BATCH = "batch"        # supervisor -> worker: several requests for one forward pass
 FORGET = "forget"      # supervisor -> worker: unmap revoked client buffers
 STOP = "stop"          # supervisor -> worker: exit 0
+PROMOTE = "promote"    # supervisor -> standby worker: take a slot (its id, cores, threads), go READY
 HELLO = "hello"        # worker -> supervisor: the spawn secret, first
 STATE = "state"        # worker -> supervisor: LOADING, WARMING, READY
 FAILED = "failed"      # worker -> supervisor: why it could not start

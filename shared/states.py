@@ -2,7 +2,9 @@
 
 A **worker** (``WorkerState``) is one process, one incarnation: it walks STARTING -> LOADING ->
 WARMING -> READY -> DRAINING -> STOPPED, and any live state may end in DEAD. STOPPED and DEAD are
-final: a process is never restarted, a new incarnation is a new worker.
+final: a process is never restarted, a new incarnation is a new worker. A *standby* worker
+(``standby = N``, supervisor/standby.py) stops after warm-up in STANDBY, holding no slot; it goes
+READY only when promoted into a slot.
 
 A **slot** (``SlotState``) is a place for one worker (fixed cores/device) that outlives its
 incarnations. While it has a current worker, the slot's state *follows* that worker's
@@ -23,6 +25,7 @@ class WorkerState(str, enum.Enum):
     STARTING = "STARTING"  # process spawned, has not spoken yet
     LOADING = "LOADING"  # placed on its cores/device, loading the model
     WARMING = "WARMING"  # model loaded, running warm-up iterations
+    STANDBY = "STANDBY"  # warmed up, holds no slot, serves nothing: waits to be promoted
     READY = "READY"  # serving
     DRAINING = "DRAINING"  # finishing what it holds; gets nothing new
     STOPPED = "STOPPED"  # exited cleanly when asked to
@@ -49,7 +52,11 @@ WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     # LOADING -> WARMING: the model loaded
     W.LOADING: frozenset({W.WARMING, W.DRAINING, W.DEAD}),
     # WARMING -> READY: warm-up done; only now does it get traffic
-    W.WARMING: frozenset({W.READY, W.DRAINING, W.DEAD}),
+    # WARMING -> STANDBY: warm-up done, but it was started as a standby: it waits, slotless
+    W.WARMING: frozenset({W.READY, W.STANDBY, W.DRAINING, W.DEAD}),
+    # STANDBY -> READY: promoted into a slot (re-pinned to the slot's cores) and said so
+    # STANDBY -> DRAINING: no longer wanted (reload to a new version, fewer standbys, shutdown)
+    W.STANDBY: frozenset({W.READY, W.DRAINING, W.DEAD}),
     # READY -> DRAINING: replaced, recycled or shutting down
     W.READY: frozenset({W.DRAINING, W.DEAD}),
     # DRAINING -> STOPPED: held nothing more and exited when told
@@ -80,11 +87,13 @@ SLOT_TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
 
 # The slot's state while ``worker`` is its current incarnation.
 SLOT_FOLLOWS: dict[WorkerState, SlotState] = {
-    W.STARTING: S.STARTING, W.LOADING: S.STARTING, W.WARMING: S.STARTING, W.READY: S.READY,
+    W.STARTING: S.STARTING, W.LOADING: S.STARTING, W.WARMING: S.STARTING,
+    W.STANDBY: S.STARTING,  # a promoted standby is the slot's current from the promote message on
+    W.READY: S.READY,
     W.DRAINING: S.DRAINING, W.STOPPED: S.STOPPED, W.DEAD: S.DEAD,
 }
 
-ALIVE = frozenset({W.STARTING, W.LOADING, W.WARMING, W.READY, W.DRAINING})
+ALIVE = frozenset({W.STARTING, W.LOADING, W.WARMING, W.STANDBY, W.READY, W.DRAINING})
 BOOTING = frozenset({W.STARTING, W.LOADING, W.WARMING})
 
 _TABLES: dict[type, dict] = {WorkerState: WORKER_TRANSITIONS, SlotState: SLOT_TRANSITIONS}

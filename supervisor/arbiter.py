@@ -43,11 +43,12 @@ from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_f
 from modelwarden.supervisor.limits import check_message
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.health import EXIT_MODEL_FATAL, daemon_health
-from modelwarden.supervisor.placement import SlotPlacement, plan
+from modelwarden.supervisor.placement import SlotPlacement, available_cores, plan
 from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
 from modelwarden.supervisor import reload
 from modelwarden.supervisor.router import Router
+from modelwarden.supervisor.standby import placement_for
 from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
                                             claim_private_dir, claim_runtime_dir, restrict_socket)
 from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
@@ -475,7 +476,8 @@ class Arbiter:
             self._report_health()
         elif kind == protocol.FAILED:
             handle.failure = f"{header.get('stage')}: {header.get('message')}"
-            pool.slot_of(handle).failure = handle.failure
+            if not pool.standbys.owns(handle):  # a standby has no slot to blame
+                pool.slot_of(handle).failure = handle.failure
         else:
             logger.warning("%s sent an unknown message type %r", handle.worker_id, kind)
 
@@ -602,6 +604,19 @@ class Arbiter:
     def signal_worker(self, handle: WorkerHandle, signum: int) -> None:
         handle.signal(signum)
 
+    def standby_placement(self, pool: ModelPool, template: SlotPlacement) -> SlotPlacement:
+        pools = (*self.pools.values(), *self.leaving_pools)
+        claimed = {core for each in pools for slot in each.slots for core in slot.placement.cores}
+        claimed.update(core for each in pools for handle in each.standbys.live()
+                       for core in handle.spec.cores)
+        return placement_for(template, available_cores(), claimed)
+
+    def send_promote(self, handle: WorkerHandle) -> None:
+        spec = handle.spec
+        send_parts(self.backend, [handle.identity, protocol.pack(
+            {"type": protocol.PROMOTE, "slot": spec.slot, "generation": spec.generation,
+             "cores": list(spec.cores), "threads": spec.threads})])
+
     def on_worker_ready(self, pool: ModelPool) -> None:
         self.router.dispatch(pool)
 
@@ -684,7 +699,8 @@ class Arbiter:
     def _apply(self, new: Settings, placements: dict, why: str, release: bool = False) -> list[str]:
         """``release``: the file was re-read, so slots stopped by a command start again."""
         running = self._running_placements()
-        versions = {name: {handle.spec.version for handle in pool.handles()}
+        versions = {name: {handle.spec.version for handle in pool.handles()
+                           if not pool.standbys.owns(handle)}  # a leaving standby is no roll
                     for name, pool in self.pools.items()}
         changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
         judges = self._new_judges(new, changes)  # may refuse: nothing is touched before this
@@ -782,6 +798,7 @@ class Arbiter:
             return
         self._workers_told_to_stop = True
         for pool in (*self.pools.values(), *self.leaving_pools):
+            pool.standbys.stop_all("shutdown")
             for slot in pool.slots:
                 self.timers.cancel(slot.backoff_timer)
             for handle in pool.handles():

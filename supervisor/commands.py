@@ -163,6 +163,7 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                        "batching": _batching_row(arbiter, pool)})
         for slot in (*pool.slots, *pool.leaving):
             workers.extend(_slot_rows(pool, slot, now))
+        workers.extend(_standby_row(pool, handle, now) for handle in pool.standbys.handles)
     for pool in arbiter.leaving_pools:  # removed by a reload, still draining
         for slot in (*pool.slots, *pool.leaving):
             workers.extend(_slot_rows(pool, slot, now))
@@ -192,10 +193,18 @@ def _slot_rows(pool, slot, now: float) -> list[dict]:
             "last_exit": slot.last_exit, "error": slot.failure,
             "restart_causes": [{"at": round(at, 3), "cause": cause} for at, cause in slot.causes],
             "device": slot.placement.device, "cores": slot.placement.cores,
-            "threads": slot.placement.threads}
+            "threads": slot.placement.threads, "promotions": slot.promotions,
+            "promoted_at": round(slot.promoted_at, 3) if slot.promoted_at else None}
     if not slot.handles():
         return [{**base, **_empty_row(slot, now)}]
     return [{**base, **_handle_row(handle, now)} for handle in slot.handles()]
+
+
+def _standby_row(pool, handle, now: float) -> dict:
+    """A standby (supervisor/standby.py): a worker row of its own, with no slot behind it."""
+    return {"id": handle.worker_id, "model": pool.name, "restarts": 0, "last_exit": None,
+            "restart_causes": [], "promotions": 0, "promoted_at": None, "standby": True,
+            **_handle_row(handle, now)}
 
 
 def _empty_row(slot, now: float) -> dict:

@@ -77,7 +77,8 @@ class WorkerHandle:
     started_at: float
     on_state: Callable[["WorkerHandle", WorkerState, WorkerState], None] | None = None
     state: WorkerState = WorkerState.STARTING
-    ready_at: float | None = None
+    ready_at: float | None = None  # READY (a standby: STANDBY, until it is promoted and READY)
+    promoted_at: float | None = None  # a standby promoted into a slot: when (monotonic)
     last_seen: float = 0.0
     inflight: dict = field(default_factory=dict)  # rid -> Request (probes included)
     served: int = 0

@@ -130,6 +130,7 @@ class Snapshot:
     memory: tuple = ()  # (model, worker id, pid, rss bytes or None, cuda bytes or None)
     restarts: tuple = ()  # (model, cause, total since start)
     probe_failures: tuple = ()  # (model, total since start)
+    promotions: tuple = ()  # (model, standbys promoted into a slot since start)
     requests: tuple = ()  # (request_labels, answers)
     histograms: tuple = ()  # (model, ((bucket counts, sum) per HISTOGRAMS entry))
 
@@ -155,6 +156,8 @@ class _Totals:
 
     restarts: collections.Counter = field(default_factory=collections.Counter)  # (model, cause)
     probe_failures: collections.Counter = field(default_factory=collections.Counter)  # model
+    promotions: collections.Counter = field(default_factory=collections.Counter)  # model
+    _promotions_seen: dict = field(default_factory=dict)  # slot name -> slot.promotions counted
     _restarts_seen: dict = field(default_factory=dict)  # slot name -> slot.restarts counted
     _probes_seen: dict = field(default_factory=dict)  # (worker id, pid) -> failures counted
 
@@ -163,6 +166,9 @@ class _Totals:
         for pool in pools:
             for slot in pool.slots:
                 self._count_restarts(pool.name, slot)
+                self.promotions[pool.name] += max(
+                    0, slot.promotions - self._promotions_seen.get(slot.name, 0))
+                self._promotions_seen[slot.name] = slot.promotions
                 for handle in slot.handles():
                     key = (handle.worker_id, handle.pid)
                     live[key] = failures = handle.probe.failures
@@ -207,6 +213,7 @@ class Telemetry:
                          for pool in pools for handle in pool.handles() if handle.alive),
             restarts=tuple((model, cause, n) for (model, cause), n in self._totals.restarts.items()),
             probe_failures=tuple(self._totals.probe_failures.items()),
+            promotions=tuple(self._totals.promotions.items()),
             requests=requests, histograms=histograms)
 
     def live(self) -> bool:
@@ -253,6 +260,11 @@ class _SnapshotCollector:
         for model, cause, n in snap.restarts:
             restarts.add_metric([model, cause], n)
         yield restarts
+        promotions = CounterMetricFamily("modelwarden_promotions", "Standby workers promoted "
+                                         "into a slot", labels=["model"])
+        for model, n in snap.promotions:
+            promotions.add_metric([model], n)
+        yield promotions
         probes = CounterMetricFamily("modelwarden_probe_failures", "Failed health probes",
                                      labels=["model"])
         for model, n in snap.probe_failures:

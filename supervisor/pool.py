@@ -31,10 +31,18 @@ once) or stops the last ones; ``stop_slot`` drains a slot's workers and keeps it
 (``held``) until a restart; ``reconfigure`` takes a new configuration, and the slots whose
 workers it changes are rolled one at a time by ``roll_step`` (replace before retire). Stopped
 slots that left the pool (scaled down) stay in ``leaving`` until their workers are gone.
+
+Standbys (``standby = N``, supervisor/standby.py): whenever a slot needs a new incarnation -- its
+worker died, was replaced (probes, drift, memory, ``max_requests``, a reload's roll, a restart
+command) or its backoff ran out -- ``spawn`` promotes a warm standby into it when one is STANDBY
+(it takes the slot's generation, cores and threads and goes READY in milliseconds), and only
+spawns a process when none is. The restart policy is the same either way: a promoted worker that
+dies within ``start_seconds`` of its promotion is a failed start of the slot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import signal
@@ -48,6 +56,7 @@ from modelwarden.supervisor.handle import WorkerHandle, exit_cause
 from modelwarden.supervisor.placement import SlotPlacement
 from modelwarden.supervisor.probes import ProbeJudge, Verdict
 from modelwarden.supervisor.slot import Slot
+from modelwarden.supervisor.standby import Standbys
 from modelwarden.supervisor.timers import Timers
 
 logger = logging.getLogger(__name__)
@@ -73,6 +82,8 @@ class PoolHost(Protocol):
     * ``on_worker_ready``: a worker of the pool became READY: queued requests can go.
     * ``on_slot_fatal``: a slot went FATAL, or a FATAL slot's last worker left (the host checks
       ``pool.all_fatal()`` and answers what nobody can serve).
+    * ``standby_placement``: where a new standby of the pool sleeps, given the slot it is
+      modelled on; ``send_promote``: tell a standby which slot it now is.
     """
 
     stopping: bool
@@ -95,6 +106,10 @@ class PoolHost(Protocol):
 
     def on_slot_fatal(self, pool: "ModelPool") -> None: ...
 
+    def standby_placement(self, pool: "ModelPool", template: SlotPlacement) -> SlotPlacement: ...
+
+    def send_promote(self, handle: WorkerHandle) -> None: ...
+
 
 class ModelPool:
     def __init__(self, config: ModelConfig, placements: list[SlotPlacement], host: PoolHost,
@@ -105,6 +120,8 @@ class ModelPool:
         self.slots = [Slot(index, placement, config.name)
                       for index, placement in enumerate(placements)]
         self.leaving: list[Slot] = []  # scaled down: draining, no longer counted or routed to
+        self.standbys = Standbys(self)
+        self.promotions = 0  # standbys promoted into a slot, since the pool was made
         self._next_rss_sample = 0.0
 
     @property
@@ -114,7 +131,9 @@ class ModelPool:
     # -- views ------------------------------------------------------------------------------
 
     def handles(self) -> list[WorkerHandle]:
-        return [handle for slot in (*self.slots, *self.leaving) for handle in slot.handles()]
+        """Every worker process of the pool: the slots' and the standbys'."""
+        return [handle for slot in (*self.slots, *self.leaving)
+                for handle in slot.handles()] + self.standbys.handles
 
     def ready(self) -> list[WorkerHandle]:
         return [handle for handle in self.handles() if handle.state == S.READY]
@@ -151,6 +170,7 @@ class ModelPool:
     def start_all(self) -> None:
         for slot in self.slots:
             self.spawn(slot)
+        self.standbys.fill()
 
     def spawn(self, slot: Slot) -> WorkerHandle | None:
         if self.host.stopping:
@@ -158,6 +178,9 @@ class ModelPool:
         self.host.timers.cancel(slot.backoff_timer)
         slot.backoff_timer = slot.backoff_until = None
         slot.generation += 1
+        standby = self.standbys.take(slot)
+        if standby is not None:
+            return self._promote(slot, standby)
         spec = self.host.worker_spec(self.config, slot.index, slot.generation, slot.placement)
         try:
             handle = self.host.launch(spec, self._on_state)
@@ -169,12 +192,35 @@ class ModelPool:
             return None
         slot.current = handle
         slot.set_state(SlotState.STARTING, f"pid {handle.pid}, generation {slot.generation}")
+        self._limit_requests(handle)
+        return handle
+
+    def _limit_requests(self, handle: WorkerHandle) -> None:
         if self.config.max_requests:
             handle.request_limit = self.config.max_requests + random.randint(
                 0, self.config.max_requests_jitter)
-        return handle
+
+    def _promote(self, slot: Slot, handle: WorkerHandle) -> WorkerHandle:
+        """A warm standby becomes the slot's current worker: the slot's identity, cores and
+        threads; it goes READY when it says it has re-pinned. Another standby starts."""
+        placement = slot.placement
+        was = handle.worker_id
+        handle.spec = dataclasses.replace(handle.spec, slot=slot.index, generation=slot.generation,
+                                          cores=list(placement.cores), threads=placement.threads,
+                                          standby=None)
+        handle.promoted_at = self.host.clock()
+        slot.current = handle
+        slot.promotions += 1
+        slot.promoted_at = time.time()
+        self.promotions += 1
+        slot.set_state(SlotState.STARTING, f"promoting standby {was} pid {handle.pid}, "
+                       f"generation {slot.generation}")
+        self.host.send_promote(handle)
+        self._limit_requests(handle)
+        return handle  # the next standby starts once this one is READY: no spawn competes now
 
     def slot_of(self, handle: WorkerHandle) -> Slot:
+        """The slot ``handle`` serves (never asked of a standby: it has none)."""
         index = handle.spec.slot
         if index < len(self.slots) and handle in (self.slots[index].current, self.slots[index].previous):
             return self.slots[index]
@@ -190,7 +236,11 @@ class ModelPool:
         except ValueError:
             logger.error("%s reported an unknown state %r", handle.worker_id, state)
             return
-        if not handle.alive or new not in (S.LOADING, S.WARMING, S.READY) or new == handle.state:
+        if not handle.alive or new not in (S.LOADING, S.WARMING, S.STANDBY, S.READY) or new == handle.state:
+            return
+        if (new == S.STANDBY) != self.standbys.owns(handle) and new in (S.STANDBY, S.READY):
+            # READY from a standby not promoted, or STANDBY from a slot's worker: out of turn
+            logger.error("%s: reported %s out of turn; ignored", handle.worker_id, new.value)
             return
         try:
             check_transition(handle.state, new)
@@ -198,6 +248,8 @@ class ModelPool:
             logger.error("%s: %s", handle.worker_id, exc)
             return
         handle.info.update({key: value for key, value in info.items() if value is not None})
+        if new == S.STANDBY:
+            handle.ready_at = self.host.clock()  # warm since: a standby dying soon after failed
         if new == S.READY:
             handle.ready_at = self.host.clock()
             handle.probe.baseline_us = info.get("probe_baseline_us")
@@ -205,6 +257,8 @@ class ModelPool:
         handle.set_state(new)
 
     def _on_state(self, handle: WorkerHandle, old: WorkerState, new: WorkerState) -> None:
+        if self.standbys.owns(handle):
+            return  # slotless: no slot follows it, no request waits for it
         slot = self.slot_of(handle)
         if handle is slot.current:
             slot.follow(new)
@@ -213,6 +267,8 @@ class ModelPool:
         if slot.previous is not None and slot.previous.state == S.READY:
             self.drain(slot.previous, f"replaced by generation {handle.spec.generation}")
         self.host.on_worker_ready(self)
+        if handle.promoted_at is not None:
+            self.standbys.fill()
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -264,6 +320,9 @@ class ModelPool:
         self.mark_exited(handle)  # a no-op when the host marked it already
         cause = exit_cause(handle.exitcode)
         self.host.recover_requests(self, handle)
+        if self.standbys.owns(handle):
+            self.standbys.on_exit(handle)
+            return
         slot = self.slot_of(handle)
         if handle is slot.previous:
             slot.previous = None
@@ -289,7 +348,9 @@ class ModelPool:
 
     def _restart(self, slot: Slot, handle: WorkerHandle, cause: str) -> None:
         now = self.host.clock()
-        failed_start = (handle.ready_at is None or now - handle.started_at < self.config.start_seconds
+        # A promoted standby's start, for the crash-loop rules, is its promotion.
+        started = max(handle.started_at, handle.promoted_at or 0.0)
+        failed_start = (handle.ready_at is None or now - started < self.config.start_seconds
                         or handle.exitcode in STARTUP_FAILURES)
         self._after_exit(slot, failed_start, cause)
 
@@ -377,6 +438,7 @@ class ModelPool:
             self._next_rss_sample = now + RSS_SAMPLE_EVERY
         for handle in self.handles():
             self._check(handle, now, sample_rss)
+        self.standbys.fill()  # one promoted that never went READY, a count changed by reload
 
     def _check(self, handle: WorkerHandle, now: float, sample_rss: bool) -> None:
         config = self.config
@@ -384,7 +446,8 @@ class ModelPool:
             logger.critical("%s pid %s: not READY after %.0fs; killing", handle.worker_id,
                             handle.pid, config.start_timeout)
             self.terminate(handle, "start timeout")
-        elif handle.state in (S.READY, S.DRAINING) and now - handle.last_seen > config.heartbeat_timeout:
+        elif (handle.state in (S.READY, S.DRAINING, S.STANDBY)
+              and now - handle.last_seen > config.heartbeat_timeout):
             logger.critical("%s pid %s: no heartbeat for %.1fs; killing as hung", handle.worker_id,
                             handle.pid, now - handle.last_seen)
             self.terminate(handle, "hung")
@@ -394,6 +457,8 @@ class ModelPool:
             self._check_probe_timeout(handle, now)
             if sample_rss:
                 self._check_memory(handle, now)
+        elif handle.state == S.STANDBY and sample_rss:
+            handle.sample_rss(now)  # shown in status; max_rss applies once it serves
 
     def _check_probe_timeout(self, handle: WorkerHandle, now: float) -> None:
         probe = handle.probe
@@ -501,6 +566,7 @@ class ModelPool:
         replaced), while the ones serving finish its queue; ``scale([])`` then stops them."""
         for slot in self.slots:
             slot.held = reason
+        self.standbys.stop_all(reason)
 
     def release(self) -> list[str]:
         """A reload re-read the file: slots stopped by a command serve again (a slot still
@@ -546,6 +612,10 @@ class ModelPool:
             if roll or (version is not None and current is not None
                         and current.spec.version != version):
                 slot.stale_through = slot.generation
+        for handle in list(self.standbys.handles):
+            if roll or (version is not None and handle.spec.version != version):
+                self.standbys.let_go(handle, "reload: superseded version or configuration")
+        self.standbys.fill()
 
     def roll_step(self) -> None:
         """Replace the next stale worker, one slot at a time: none while a replacement is under

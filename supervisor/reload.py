@@ -40,7 +40,7 @@ POLICY_FIELDS = frozenset({
     "timeout", "max_queue", "max_inflight", "retries", "heartbeat_timeout", "start_timeout",
     "start_seconds", "max_start_failures", "backoff_initial", "backoff_max", "kill_grace",
     "drain_timeout", "fatal_retry", "max_rss", "max_cuda_memory", "max_requests",
-    "max_requests_jitter", "outputs"})
+    "max_requests_jitter", "outputs", "standby"})
 # Within nested tables: what the worker reads is the rest (probe.input and seed, batching.dim).
 POLICY_SUBFIELDS = {
     "probe": frozenset({"interval", "golden", "atol", "rtol", "range", "latency_factor",

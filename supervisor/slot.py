@@ -48,6 +48,8 @@ class Slot:
     probe_replacements: int = 0  # replacements for failed probes, since probes last passed
     probe_passes: int = 0  # probes passed in a row by the current worker
     fatal_on_exit: str | None = None  # given up on: FATAL once its worker has left
+    promotions: int = 0  # standbys promoted into this slot
+    promoted_at: float | None = None  # wall-clock time of the last promotion
 
     @property
     def name(self) -> str:

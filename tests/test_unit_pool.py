@@ -23,6 +23,7 @@ from modelwarden.shared.states import (EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERR
                                        IllegalTransition, SlotState, check_transition)
 from modelwarden.shared.states import WorkerState as S
 from modelwarden.supervisor import pool as pool_module
+from modelwarden.supervisor import standby as standby_module
 from modelwarden.supervisor.handle import WorkerHandle
 from modelwarden.supervisor.placement import SlotPlacement
 from modelwarden.supervisor.pool import ModelPool, PoolHost
@@ -54,6 +55,7 @@ class FakeHost:
         self.signals: list[tuple[WorkerHandle, int]] = []
         self.recovered: list[WorkerHandle] = []
         self.fatal: list[bool] = []  # pool.all_fatal() at each on_slot_fatal call
+        self.promoted: list[WorkerHandle] = []  # send_promote calls
         self._pids = itertools.count(2_000_000_000)  # > any pid_max (at most 2**22)
 
     def clock(self) -> float:
@@ -91,6 +93,12 @@ class FakeHost:
 
     def on_slot_fatal(self, pool: ModelPool) -> None:
         self.fatal.append(pool.all_fatal())
+
+    def standby_placement(self, pool: ModelPool, template: SlotPlacement) -> SlotPlacement:
+        return SlotPlacement([99], template.threads, template.device)  # a spare core
+
+    def send_promote(self, handle: WorkerHandle) -> None:
+        self.promoted.append(handle)
 
 
 _: PoolHost = FakeHost()  # a type checker holds the fake to the protocol; isinstance below
@@ -638,7 +646,13 @@ def test_least_loaded_ignores_workers_that_are_not_ready(host):
 
 
 def _host_members_used_by_the_pool() -> set[str]:
-    tree = ast.parse(Path(pool_module.__file__).read_text())
+    # the pool's standbys (supervisor/standby.py) reach the host through the pool's
+    return {name for module in (pool_module, standby_module)
+            for name in _host_members_used_by(module)}
+
+
+def _host_members_used_by(module) -> set[str]:
+    tree = ast.parse(Path(module.__file__).read_text())
     return {node.attr for node in ast.walk(tree)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
             and node.value.attr == "host" and isinstance(node.value.value, ast.Name)

@@ -7,6 +7,9 @@ Boot order, each step reported to the supervisor before the next:
   4. LOADING: load our own copy of the model                    (failure: exit 4, load error)
   5. WARMING: run ``warmup`` iterations, measure the probe baseline (failure: exit 5)
   6. READY: serve until told to stop (exit 0) or orphaned (exit 6)
+     A standby (``spec.standby`` set) reports STANDBY instead and waits to be promoted into a
+     slot (worker/standby.py), then reports READY and serves. It boots at a lower CPU priority
+     (set after step 2, before any thread exists) when it may restore it on promotion.
 
 This module must not import torch at module level: spawn imports it in the child before ``run``
 gets a chance to pin the process and set the thread variables.
@@ -49,6 +52,10 @@ def run(spec: WorkerSpec, buffer_pair=None) -> None:
         pin_cpu(spec)
     except PlacementError as exc:
         boot_error = str(exc)
+    if spec.standby is not None:
+        from modelwarden.worker.standby import boot_in_the_background
+
+        boot_in_the_background()  # before any thread exists: every thread inherits it
     channel = _connect(spec)
     if boot_error is not None:
         _fail(channel, "boot", boot_error, EXIT_BOOT_ERROR)
@@ -111,16 +118,34 @@ def _boot_and_serve(spec: WorkerSpec, channel, buffer_pair) -> int:
         baseline_us = _baseline(spec, model, probe_args) if probe_args else None
     except Exception as exc:
         _fail(channel, "warmup", f"{type(exc).__name__}: {exc}", EXIT_WARMUP_ERROR)
+    parent = multiprocessing.parent_process()
+    if spec.standby is not None:
+        code = _stand_by(spec, channel, parent, baseline_us)
+        if code is not None:
+            return code
     channel.state(WorkerState.READY.value, threads=torch.get_num_threads(),
                   interop_threads=torch.get_num_interop_threads(),
                   cores=sorted(os.sched_getaffinity(0)), device=str(device),
                   probe_baseline_us=baseline_us)
     logger.info("READY on %s with %d thread(s)", spec.placement, torch.get_num_threads())
     gc.freeze()  # the model and torch's own objects live forever: don't rescan them every pass
-    parent = multiprocessing.parent_process()
     server = WorkerServer(spec, model, device, channel, parent.sentinel if parent else None,
                           probe_args, buffer_pair)
     return server.serve()
+
+
+def _stand_by(spec: WorkerSpec, channel, parent, baseline_us) -> int | None:
+    """Report STANDBY and wait; None once promoted (``spec`` is the slot's now), else the
+    exit code."""
+    import torch
+
+    from modelwarden.worker.standby import wait_for_promotion
+
+    channel.state(WorkerState.STANDBY.value, threads=torch.get_num_threads(),
+                  cores=sorted(os.sched_getaffinity(0)), probe_baseline_us=baseline_us)
+    logger.info("STANDBY on %s with %d thread(s)", spec.placement, torch.get_num_threads())
+    gc.freeze()
+    return wait_for_promotion(spec, channel, parent.sentinel if parent else None)
 
 
 def _warm_up(spec: WorkerSpec, model, device, example_inputs, probe_inputs) -> None:

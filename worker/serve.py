@@ -20,12 +20,15 @@ internal, so it carries no signature frame: one frame fewer per message on the h
           requests for one forward pass: member i has Fi frames (its header and payload)
     [{"type": "forget", "tokens": [...]}]                     unmap revoked client buffers
     [{"type": "stop"}]                                        exit 0 (sent once drained)
+    [{"type": "promote", "slot": I, "generation": G, "cores": [...], "threads": T}]
+          to a standby only (worker/standby.py): take that slot, re-pin, then say READY
   worker -> supervisor
     [{"type": "hello", "secret": <32 bytes>}]              first, right after connect: the spawn
           secret from our WorkerSpec; until it is accepted the supervisor drops everything we
           send (see supervisor/workerauth.py)
-    [{"type": "state", "state": "LOADING"|"WARMING"|"READY", "info": {...}}]
+    [{"type": "state", "state": "LOADING"|"WARMING"|"STANDBY"|"READY", "info": {...}}]
           info: LOADING: pid, device, cores, threads, interop_threads
+                STANDBY: cores, threads, probe_baseline_us (a standby, warmed up)
                 READY: device, cores, threads, interop_threads, probe_baseline_us
     [{"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
     [{"type": "heartbeat", "cuda_bytes": N}]                cuda_bytes on GPU workers only
