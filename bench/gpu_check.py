@@ -9,7 +9,7 @@ Checks (each prints ``PASS name: ...``, ``FAIL name: ...`` or ``SKIP name: ...``
   pinned      a client buffer mapped by a CUDA worker's SegmentMaps is page-locked
               (``is_pinned()``), reaches the device by a non_blocking copy intact, and is
               unpinned when forgotten; and a 4 MiB input sent through shared memory comes back right
-  oom         a CUDA OOM in forward answers OUT_OF_MEMORY; that worker serves on, no worker restarts
+  oom         a CUDA OOM in forward answers OUT_OF_MEMORY; that worker alone is replaced
   recycle     a worker holding more CUDA memory than ``max_cuda_memory`` is replaced; the others are not
   memory      CUDA memory per worker in ``status`` (``cuda_bytes``) and /metrics
               (``modelwarden_worker_cuda_bytes``); sentinel probes pass on the GPU workers
@@ -262,9 +262,12 @@ def check_oom(daemon: GpuDaemon) -> str:
             failed = exc.worker
         for _ in range(4 * len(before)):
             client.infer("where", torch.ones(1, 4))
-    after = {w["id"]: w["pid"] for w in daemon.workers("where")}
-    require(after == before, f"workers changed after an OOM: {before} -> {after}")
-    return f"OUT_OF_MEMORY from {failed}; every worker served on, none restarted"
+    daemon.wait(lambda: any(w["id"] == failed and w["pid"] != before[failed] and w["state"] == "READY"
+                            for w in daemon.workers("where")), 120, f"{failed} replaced after its OOM")
+    after = {w["id"]: w["pid"] for w in daemon.workers("where") if w["state"] == "READY"}
+    kept = {w: pid for w, pid in before.items() if w != failed}
+    require(all(after.get(w) == pid for w, pid in kept.items()), f"others restarted: {before} -> {after}")
+    return f"OUT_OF_MEMORY from {failed}; it alone was replaced, the others served on"
 
 
 def check_recycle(daemon: GpuDaemon, limit: int) -> str:

@@ -345,6 +345,8 @@ MUTATIONS = [
     # user, who imports the installed package, not this script's mutated copy (0700, root's).
     M("check-devices", "supervisor/devices.py", "        if index >= count:", "        if False:",
       ("tests/test_cli.py::test_check_refuses_a_cuda_device_this_machine_lacks",)),
+    M("oom-recycle", "supervisor/router.py", '            pool.replace(handle, "out of memory in forward")',
+      "            pass", ("tests/test_error_codes.py::test_out_of_memory_is_typed_and_that_worker_is_replaced",)),
     M("output-check", "supervisor/cli.py", "    if args.output:\n        _check_output(args.output)\n", "",
       ("tests/test_cli.py::test_a_user_mistake_gets_one_line_and_exit_2",)),
     # -- real models: shared weights, the pretrained example, GPU paths (issue 13) ----------------

@@ -19,9 +19,9 @@ class RemoteError(Exception):
         self.worker = worker
 
 
-def _error_class(code: str) -> type[RemoteError]:
+def _error_class(code: str, base: type[RemoteError] = RemoteError) -> type[RemoteError]:
     name = "".join(part.title() for part in code.split("_"))
-    return type(name, (RemoteError,), {"code": code, "__doc__": protocol.ERROR_CODES[code]})
+    return type(name, (base,), {"code": code, "__doc__": protocol.ERROR_CODES[code]})
 
 
 BadRequest = _error_class(protocol.BAD_REQUEST)
@@ -29,7 +29,8 @@ BadInput = _error_class(protocol.BAD_INPUT)
 UnknownModel = _error_class(protocol.UNKNOWN_MODEL)
 NoWorker = _error_class(protocol.NO_WORKER)
 ModelError = _error_class(protocol.MODEL_ERROR)
-OutOfMemory = _error_class(protocol.OUT_OF_MEMORY)
+# A model failure of its own kind: ``except ModelError`` catches it too.
+OutOfMemory = _error_class(protocol.OUT_OF_MEMORY, ModelError)
 WorkerDied = _error_class(protocol.WORKER_DIED)
 Poison = _error_class(protocol.POISON)
 Timeout = _error_class(protocol.TIMEOUT)

@@ -115,7 +115,8 @@ ERROR_CODES: dict[str, str] = {
     NO_WORKER: "every worker slot of the model is FATAL or stopped; nothing serves it until a "
                "restart (or its fatal_retry)",
     MODEL_ERROR: "the model raised an exception; the worker stays up",
-    OUT_OF_MEMORY: "the model ran out of (GPU) memory on this input; the worker stays up",
+    OUT_OF_MEMORY: "the model ran out of (GPU) memory on this input; that worker is replaced "
+                   "(its other requests are answered first)",
     WORKER_DIED: "the worker died while holding the request and retries are off or spent",
     POISON: "the request was in flight on two workers that both died; it is not retried again",
     TIMEOUT: "the request's deadline passed before an answer",

@@ -298,6 +298,10 @@ class Router:
             self._judge_probe(pool, handle, request, envelope, frames)
         else:
             self._relay_result(handle, request, envelope, frames)
+        if envelope.get("code") == protocol.OUT_OF_MEMORY:
+            # An allocator that failed once (fragmented CUDA cache, a heap at its limit) is not
+            # trusted with the next request: a fresh process takes the slot, replace before retire.
+            pool.replace(handle, "out of memory in forward")
         pool.after_result(handle)
         if handle.state == WorkerState.READY:
             self.send_due_probes(pool, [handle])

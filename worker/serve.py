@@ -297,7 +297,7 @@ class WorkerServer:
         reply = protocol.error_header(client_id, code, message[:MAX_MESSAGE_CHARS])
         reply["worker"] = self.spec.worker_id
         reply["version"] = self.spec.version
-        envelope = {"type": protocol.RESULT, "rid": rid, "ok": False}
+        envelope = {"type": protocol.RESULT, "rid": rid, "ok": False, "code": code}
         send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply)])
         self.served += 1
 
