@@ -245,6 +245,15 @@ def check_shm_roundtrip(daemon: GpuDaemon) -> str:
     return "a 4 MiB shared-memory input came back doubled, exactly"
 
 
+def require_replaced_alone(daemon: GpuDaemon, before: dict, worker: str, why: str) -> None:
+    """``worker`` gets a new READY process (waited for); every other worker keeps its pid."""
+    daemon.wait(lambda: any(w["id"] == worker and w["pid"] != before[worker] and w["state"] == "READY"
+                            for w in daemon.workers("where")), 120, f"{worker} replaced {why}")
+    after = {w["id"]: w["pid"] for w in daemon.workers("where") if w["state"] == "READY"}
+    kept = {w: pid for w, pid in before.items() if w != worker}
+    require(all(after.get(w) == pid for w, pid in kept.items()), f"others restarted: {before} -> {after}")
+
+
 def check_oom(daemon: GpuDaemon) -> str:
     import torch
 
@@ -262,11 +271,7 @@ def check_oom(daemon: GpuDaemon) -> str:
             failed = exc.worker
         for _ in range(4 * len(before)):
             client.infer("where", torch.ones(1, 4))
-    daemon.wait(lambda: any(w["id"] == failed and w["pid"] != before[failed] and w["state"] == "READY"
-                            for w in daemon.workers("where")), 120, f"{failed} replaced after its OOM")
-    after = {w["id"]: w["pid"] for w in daemon.workers("where") if w["state"] == "READY"}
-    kept = {w: pid for w, pid in before.items() if w != failed}
-    require(all(after.get(w) == pid for w, pid in kept.items()), f"others restarted: {before} -> {after}")
+    require_replaced_alone(daemon, before, failed, "after its OOM")
     return f"OUT_OF_MEMORY from {failed}; it alone was replaced, the others served on"
 
 
@@ -280,11 +285,7 @@ def check_recycle(daemon: GpuDaemon, limit: int) -> str:
     before = {w["id"]: w["pid"] for w in daemon.workers("where")}
     with Client(daemon.endpoint) as client:
         holder = client.infer("where", torch.full((1, 4), HOLD_MARKER), details=True).worker
-    daemon.wait(lambda: any(w["id"] == holder and w["pid"] != before[holder] and w["state"] == "READY"
-                            for w in daemon.workers("where")), 120, f"{holder} replaced")
-    after = {w["id"]: w["pid"] for w in daemon.workers("where") if w["state"] == "READY"}
-    kept = {w: pid for w, pid in before.items() if w != holder}
-    require(all(after.get(w) == pid for w, pid in kept.items()), f"others restarted: {before} -> {after}")
+    require_replaced_alone(daemon, before, holder, "over max_cuda_memory")
     return f"{holder} held 1 GiB > max_cuda_memory {limit >> 20} MiB and was replaced; others kept"
 
 

@@ -7,7 +7,9 @@ or a typed error; ``sent == ok + errors`` always, and ``wrong == 0``.
 from __future__ import annotations
 
 import collections
+import os
 import random
+import signal
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -124,3 +126,33 @@ class CapacitySampler:
         assert not self.failures, f"capacity samples failed: {self.failures[:3]}"
         assert self.samples, "no capacity sample was taken"
         return min(self.samples)
+
+
+def sigkill_storm(daemon, model: str, reference: Callable, kills: int = 12,
+                  every: float = 0.3) -> tuple[Counts, list[int]]:
+    """Load from 4 clients while a random READY worker of ``model`` is SIGKILLed every
+    ``every`` seconds, ``kills`` times (the chaos cadence); the load runs until the last kill."""
+    from tests.helpers import join_within
+
+    stop, killed = threading.Event(), []
+
+    def killer() -> None:
+        rng = random.Random(0)
+        try:
+            while len(killed) < kills and not stop.wait(every):
+                ready = [w["pid"] for w in daemon.workers(model, "READY")]
+                if ready:
+                    victim = rng.choice(ready)
+                    os.kill(victim, signal.SIGKILL)
+                    killed.append(victim)
+        finally:
+            stop.set()
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    try:
+        counts = run_load(daemon.endpoint, model, reference, clients=4, requests=10**9, stop=stop)
+    finally:
+        stop.set()
+        join_within(thread)
+    return counts, killed

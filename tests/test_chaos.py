@@ -6,21 +6,19 @@ The long soak (many minutes, many kills) is bench/soak.py.
 """
 
 import os
-import random
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 
 import pytest
 import torch
 
 from modelwarden.shared.client import Client, Poison
 from tests.faulty import MARKER, reference
-from tests.helpers import (ROOT, Daemon, alive, faulty_model, join_within, memfd_holders, poll_until,
+from tests.helpers import (ROOT, Daemon, alive, faulty_model, memfd_holders, poll_until,
                            readline_within)
-from tests.load import CapacitySampler, run_load
+from tests.load import CapacitySampler, run_load, sigkill_storm
 
 pytestmark = pytest.mark.slow
 
@@ -45,28 +43,7 @@ def assert_no_request_lost(counts) -> None:
 def test_sigkill_storm_under_load_loses_nothing():
     with Daemon([chaos_model("storm")]) as daemon:
         daemon.wait_ready()
-        stop, kills = threading.Event(), []
-
-        def killer():
-            rng = random.Random(0)
-            try:
-                while len(kills) < 12 and not stop.wait(0.3):  # the chaos cadence
-                    ready = [w["pid"] for w in daemon.workers("storm", "READY")]
-                    if ready:
-                        victim = rng.choice(ready)
-                        os.kill(victim, signal.SIGKILL)
-                        kills.append(victim)
-            finally:
-                stop.set()  # the load runs until the last kill
-
-        thread = threading.Thread(target=killer)
-        thread.start()
-        try:
-            counts = run_load(daemon.endpoint, "storm", reference, clients=4, requests=10**9,
-                              stop=stop)
-        finally:
-            stop.set()
-            join_within(thread)
+        counts, kills = sigkill_storm(daemon, "storm", reference)
         assert len(kills) == 12, kills
         assert counts.sent > 100, counts
         assert_no_request_lost(counts)

@@ -10,9 +10,7 @@ version replaces the standbys of the old one; a kill storm with standbys loses n
 from __future__ import annotations
 
 import os
-import random
 import signal
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +19,9 @@ import torch
 
 from modelwarden.shared.client import Client
 from tests.faulty import reference
-from tests.helpers import (Daemon, alive, faulty_model, join_within, poll_until,
+from tests.helpers import (Daemon, alive, faulty_model, poll_until,
                            rewrite_config)
-from tests.load import run_load
+from tests.load import run_load, sigkill_storm
 from tests.test_metrics import metrics_url, scrape, value
 
 FAST = {"start_seconds": 0.5, "heartbeat_timeout": 5.0, "kill_grace": 1.0, "timeout": 90.0,
@@ -215,28 +213,7 @@ def test_a_sigkill_storm_with_standbys_loses_nothing():
     with Daemon([standby_model("storm", workers=2)]) as daemon:
         daemon.wait_ready()
         warm_standby(daemon, "storm")
-        stop, kills = threading.Event(), []
-
-        def killer():
-            rng = random.Random(0)
-            try:
-                while len(kills) < 12 and not stop.wait(0.3):
-                    ready = [w["pid"] for w in daemon.workers("storm", "READY")]
-                    if ready:
-                        victim = rng.choice(ready)
-                        os.kill(victim, signal.SIGKILL)
-                        kills.append(victim)
-            finally:
-                stop.set()
-
-        thread = threading.Thread(target=killer)
-        thread.start()
-        try:
-            counts = run_load(daemon.endpoint, "storm", reference, clients=4, requests=10**9,
-                              stop=stop)
-        finally:
-            stop.set()
-            join_within(thread)
+        counts, kills = sigkill_storm(daemon, "storm", reference)
         assert len(kills) == 12, kills
         assert counts.sent > 100, counts
         assert counts.reconciles(), counts
