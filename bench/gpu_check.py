@@ -295,10 +295,11 @@ def check_memory(daemon: GpuDaemon) -> str:
     page = daemon.metrics()
     gauges = [line for line in page.splitlines() if line.startswith("modelwarden_worker_cuda_bytes{")]
     require(len(gauges) >= len(rows), f"{len(gauges)} cuda gauges for {len(rows)} workers in /metrics")
-    daemon.wait(lambda: all(w["probe"] and w["probe"]["ok"] for w in daemon.workers("where")), 60,
-                "a passing probe on every GPU worker")
+    probed = daemon.wait(lambda: (lambda ws: ws if all(w["probe"] and w["probe"]["ok"]
+                                                        and w["probe"]["cuda_bytes"] for w in ws) else None)(
+        daemon.workers("where")), 60, "a passing probe with its cuda_bytes on every GPU worker")
     return (f"status cuda_bytes {[w['cuda_bytes'] for w in rows]}, {len(gauges)} gauges in /metrics, "
-            "probes pass")
+            f"probes pass holding {[w['probe']['cuda_bytes'] for w in probed]} bytes")
 
 
 def throughput(workdir: Path, workers: int, seconds: float) -> float:

@@ -237,7 +237,8 @@ def _handle_row(handle, now: float) -> dict:
         "retry_in_s": None, "version": handle.spec.version,
         "probe": {"last_at": probe.last_at, "ok": probe.last_ok, "reason": probe.last_reason,
                   "consecutive_failures": probe.consecutive_failures, "drift": probe.drift,
-                  "latency_us": probe.latency_us, "baseline_us": probe.baseline_us},
+                  "latency_us": probe.latency_us, "baseline_us": probe.baseline_us,
+                  "cuda_bytes": probe.cuda_bytes},
     }
 
 

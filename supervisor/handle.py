@@ -59,6 +59,7 @@ class ProbeRecord:
     drift: float | None = None
     latency_us: int | None = None
     baseline_us: int | None = None
+    cuda_bytes: int | None = None  # CUDA memory the worker held right after its last probe
 
     def sent(self, rid: int, now: float) -> None:
         self.rid, self.inflight_since = rid, now

@@ -341,6 +341,7 @@ class Router:
             else:
                 outputs = probe_arrays(reply.tensors, frames[1:])
                 record.latency_us = envelope.get("compute_us")
+                record.cuda_bytes = envelope.get("cuda_bytes")
                 verdict = pool.judge.judge([desc.dtype for desc in reply.tensors], outputs,
                                            record.latency_us or 0, record.baseline_us,
                                            handle.spec.version)

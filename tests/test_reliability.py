@@ -144,6 +144,7 @@ def test_probe_status_is_reported(daemon):
     assert probe["last_at"] > 0 and probe["consecutive_failures"] == 0
     assert probe["baseline_us"] > 0 and probe["latency_us"] > 0
     assert probe["drift"] is not None and probe["drift"] <= 1e-5
+    assert probe["cuda_bytes"] is None  # a CPU worker holds no CUDA memory (gpu_check: a GPU's)
     assert daemon.status()["models"][2]["golden"] is True
     assert worker["rss_bytes"] > 0
 

@@ -33,7 +33,8 @@ internal, so it carries no signature frame: one frame fewer per message on the h
     [{"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
     [{"type": "heartbeat", "cuda_bytes": N}]                cuda_bytes on GPU workers only
     [{"type": "result", "rid": N, "ok": true, "compute_us": N, "batch": SIZE}, reply, payload...]
-    [{"type": "result", "rid": N, "ok": false}, reply]
+          a probe's answer on a GPU worker adds "cuda_bytes": the CUDA memory held right after it
+    [{"type": "result", "rid": N, "ok": false, "code": CODE}, reply]
           one per request (a batch is answered member by member). ``reply`` is the client's
           reply header, written here (protocol.py "Reply", with "worker" and "version", without
           "timing"):
@@ -289,6 +290,8 @@ class WorkerServer:
                  "worker": self.spec.worker_id, "version": self.spec.version}
         envelope = {"type": protocol.RESULT, "rid": call.rid, "ok": True,
                     "compute_us": compute_us, "batch": batch}
+        if call.client_id is None and self.device.type == "cuda":  # the probe: memory after it
+            envelope["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
         send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply), *frames])
         self.served += 1
 
