@@ -122,8 +122,9 @@ class Arbiter:
     # -- life -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        if self.settings.gateway is not None and gateway.cannot_run(self.settings):
-            raise DaemonError(gateway.cannot_run(self.settings))
+        problem = self.settings.gateway is not None and gateway.cannot_run(self.settings)
+        if problem:
+            raise DaemonError(problem)
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         claim_private_dir(self.settings.private_dir)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from modelwarden.shared.config import Settings
-from modelwarden.shared.states import EXIT_NAMES
+from modelwarden.supervisor.handle import exit_cause
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class GatewayKeeper:
         self._close_pipe()
         process.close()
         self.process = None
-        self.last_exit = describe_exit(code)
+        self.last_exit = exit_cause(code)
         if self.state == G.STOPPING:
             self._cancel(self._timer)
             self._timer = None
@@ -262,17 +262,6 @@ class GatewayKeeper:
                 "grpc": self.addresses.get("grpc") or self.spec.grpc,
                 "uptime_s": round(now - self.started_at, 3) if self.process and self.started_at else None,
                 "restarts": self.restarts, "last_exit": self.last_exit}
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "unknown"
-    if code < 0:
-        try:
-            return signal.Signals(-code).name
-        except ValueError:
-            return f"signal {-code}"
-    return EXIT_NAMES.get(code, f"exit {code}")
 
 
 def cannot_run(settings: Settings) -> str | None:

@@ -9,6 +9,7 @@ a load over the given endpoints until a stop file appears, then one JSON line of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -123,6 +124,20 @@ class Load:
         with self._lock:
             return {"sent": self.counts.sent, "ok": self.counts.ok, "wrong": self.counts.wrong,
                     "failures": list(self.failures[:5]), "failed": len(self.failures)}
+
+
+@contextlib.contextmanager
+def all_running(daemons: list):
+    """Start every daemon, then wait until each is READY; clean them all up afterwards."""
+    try:
+        for daemon in daemons:
+            daemon.start()
+        for daemon in daemons:
+            daemon.wait_ready()
+        yield daemons
+    finally:
+        for daemon in daemons:
+            daemon.cleanup()
 
 
 def kill_and_restart_under_load(first: Daemon, second: Daemon, load_done: Callable[[], dict],

@@ -93,6 +93,21 @@ def faulty_model(name: str, fault: str = "none", workers: int = 1, **extra: Any)
     return model
 
 
+def probe_files(tmp_path: Path, failures: int = 3) -> dict:
+    """A probe table: an input and its golden output, computed here with the healthy reference
+    (tests/faulty.py), so a drifting worker fails it."""
+    import numpy as np
+    import torch
+
+    from tests.faulty import reference
+
+    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(5))
+    np.save(tmp_path / "probe_in.npy", x.numpy())
+    np.save(tmp_path / "golden.npy", reference(x).numpy())
+    return {"interval": 0.2, "input": str(tmp_path / "probe_in.npy"),
+            "golden": str(tmp_path / "golden.npy"), "failures": failures, "latency_slack_ms": 5000}
+
+
 def rewrite_config(daemon: "Daemon", models: list[dict], **daemon_settings: Any) -> None:
     """The daemon's configuration file with new models (and daemon keys, if given), for a
     reload to read."""

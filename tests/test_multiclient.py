@@ -15,7 +15,7 @@ from modelwarden.shared.client import AsyncClient, Client
 from modelwarden.shared.errors import Overloaded, Poison
 from modelwarden.shared.multiclient import MultiClient
 from tests.faulty import reference
-from tests.fleet import (MODEL, FleetKeys, Load, fleet_daemon, fleet_model,
+from tests.fleet import (MODEL, FleetKeys, Load, all_running, fleet_daemon, fleet_model,
                          kill_and_restart_under_load, served)
 from tests.helpers import Daemon, memfd_holders, poll_until
 from tests.test_curve import free_port
@@ -28,17 +28,9 @@ def keys(tmp_path_factory) -> FleetKeys:
 
 @pytest.fixture
 def pair(keys):
-    daemons = [fleet_daemon(keys, f"tcp://127.0.0.1:{free_port()}", [fleet_model(version=name)])
-               for name in ("first", "second")]
-    try:
-        for daemon in daemons:
-            daemon.start()
-        for daemon in daemons:
-            daemon.wait_ready()
+    with all_running([fleet_daemon(keys, f"tcp://127.0.0.1:{free_port()}", [fleet_model(version=name)])
+                      for name in ("first", "second")]) as daemons:
         yield daemons
-    finally:
-        for daemon in daemons:
-            daemon.cleanup()
 
 
 def endpoints(daemons) -> list[str]:

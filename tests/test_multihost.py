@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fleet import MODEL, FleetKeys, fleet_daemon, kill_and_restart_under_load, served
+from tests.fleet import (MODEL, FleetKeys, all_running, fleet_daemon, kill_and_restart_under_load,
+                         served)
 from tests.helpers import ROOT, poll_until, readline_within
 
 PORT = 5555
@@ -121,16 +122,8 @@ def keys(tmp_path_factory) -> FleetKeys:
 
 @pytest.fixture(scope="module")
 def daemons(network, keys):
-    started = [NamespacedDaemon.make(keys, network, host) for host in ("d1", "d2")]
-    try:
-        for daemon in started:
-            daemon.start()
-        for daemon in started:
-            daemon.wait_ready()
+    with all_running([NamespacedDaemon.make(keys, network, host) for host in ("d1", "d2")]) as started:
         yield started
-    finally:
-        for daemon in started:
-            daemon.cleanup()
 
 
 def endpoints(network: Network) -> str:

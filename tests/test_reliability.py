@@ -3,7 +3,6 @@
 import os
 import signal
 
-import numpy as np
 import pytest
 import torch
 import zmq
@@ -12,7 +11,7 @@ from zmq.utils.monitor import recv_monitor_message
 from modelwarden.shared import protocol
 from modelwarden.shared.client import BadInput, Client, Overloaded, Timeout
 from tests.faulty import reference
-from tests.helpers import Daemon, alive, faulty_model, poll_until, raw_request
+from tests.helpers import Daemon, alive, faulty_model, poll_until, probe_files, raw_request
 from tests.load import CapacitySampler, run_load
 
 
@@ -165,17 +164,8 @@ def test_max_requests_recycles_the_worker_without_failing_anything():
         assert capacity.minimum() >= 1, "capacity dipped: retired before it was replaced"
 
 
-def probe_files(tmp_path, fault_kwargs):
-    """A probe input and its golden output, computed here with the healthy reference."""
-    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(5))
-    np.save(tmp_path / "probe_in.npy", x.numpy())
-    np.save(tmp_path / "golden.npy", reference(x).numpy())
-    return {"interval": 0.2, "input": str(tmp_path / "probe_in.npy"),
-            "golden": str(tmp_path / "golden.npy"), "failures": 3, "latency_slack_ms": 5000}
-
-
 def test_a_probe_failing_every_other_time_does_not_replace_the_worker(tmp_path):
-    probe = probe_files(tmp_path, {})
+    probe = probe_files(tmp_path)
     flaky = faulty_model("flaky", "flaky_drift", kwargs={"after": 0}, probe=probe)
     # The control: the same probes, failing every time, do replace a worker. Without it this test
     # would pass with replacement broken altogether.

@@ -13,14 +13,12 @@ import os
 import signal
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from modelwarden.shared.client import Client
 from tests.faulty import reference
-from tests.helpers import (Daemon, alive, faulty_model, poll_until,
-                           rewrite_config)
+from tests.helpers import Daemon, alive, faulty_model, poll_until, probe_files, rewrite_config
 from tests.load import run_load, sigkill_storm
 from tests.test_metrics import metrics_url, scrape, value
 
@@ -152,19 +150,11 @@ def test_a_standby_that_dies_is_replaced_without_touching_the_slots():
         assert all(w["state"] == "READY" for w in daemon.workers("calm") if not w.get("standby"))
 
 
-def probe_files(tmp_path) -> dict:
-    x = torch.randn(1, 8, generator=torch.Generator().manual_seed(5))
-    np.save(tmp_path / "probe_in.npy", x.numpy())
-    np.save(tmp_path / "golden.npy", reference(x).numpy())
-    return {"interval": 0.2, "input": str(tmp_path / "probe_in.npy"),
-            "golden": str(tmp_path / "golden.npy"), "failures": 2, "latency_slack_ms": 5000}
-
-
 def test_a_worker_replaced_for_drift_is_replaced_by_the_standby(tmp_path):
     # ``once``: only the first worker to reach call 31 drifts; the standby, promoted, does not
     model = standby_model("drifty", "drift", kwargs={"after": 30, "scale": 0.5,
                                                      "once": str(tmp_path / "armed")},
-                          probe=probe_files(tmp_path))
+                          probe=probe_files(tmp_path, failures=2))
     with Daemon([model]) as daemon:
         daemon.wait_ready()
         standby = warm_standby(daemon, "drifty")

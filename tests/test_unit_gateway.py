@@ -18,10 +18,10 @@ def test_every_state_has_its_edges_and_a_shutdown_is_final():
 
 
 def test_exits_are_described_as_the_workers_are():
-    assert gateway.describe_exit(-signal.SIGKILL) == "SIGKILL"
-    assert gateway.describe_exit(3) == "exit 3 (boot error)"
-    assert gateway.describe_exit(0) == "exit 0 (clean)"
-    assert gateway.describe_exit(77) == "exit 77"
+    assert gateway.exit_cause(-signal.SIGKILL) == "SIGKILL"
+    assert gateway.exit_cause(3) == "exit 3 (boot error)"
+    assert gateway.exit_cause(0) == "exit 0 (clean)"
+    assert gateway.exit_cause(77) == "exit 77"
 
 
 def test_the_spec_names_the_ipc_frontend_and_the_daemon_s_message_limit(tmp_path):
