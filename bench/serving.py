@@ -20,8 +20,12 @@ Systems (--only takes these names, comma-separated):
                batching off and on (max 16, delay 1000us), on W1 and W3: REST JSON (W1 only: a
                4 MiB tensor as JSON numbers is not a use), REST binary (the binary tensor data
                extension, what tritonclient's HTTP client sends; one http.client keep-alive
-               connection per thread, N threads) and gRPC (tritonclient.grpc.aio, N tasks on
-               one loop; the gateway-test extra). Skipped, saying why, without the extras.
+               connection per thread, N threads), gRPC (tritonclient.grpc at 1 in flight,
+               tritonclient.grpc.aio with N tasks on one loop above; the gateway-test extra),
+               gRPC through Triton's perf_analyzer (its C++ client; skipped, saying why, where
+               its binary cannot load) and, on W1, an empty gRPC call (ServerLive, answered by
+               the gateway alone): the floor of any gRPC request. Skipped, saying why, without
+               the extras.
   inprocess    the background article's alternatives in this process, N client threads: one
                shared model behind a lock, and a queue served by one worker thread (W1, W2).
   mosec, litserve, ray, pytriton
@@ -49,6 +53,7 @@ import http.client
 import json
 import os
 import queue
+import re
 import shutil
 import socket
 import statistics
@@ -423,13 +428,18 @@ def bench_gateway(workdir: Path, workloads: dict[str, Workload], levels: list[in
         try:
             wait_gateway(http, daemon)
             for name, workload in models.items():
-                for transport in ("REST JSON", "REST binary", "gRPC"):
+                for transport in ("REST JSON", "REST binary", "gRPC", PERF_ANALYZER):
                     if transport == "REST JSON" and workload.name == "W3":
+                        continue
+                    if transport == PERF_ANALYZER and perf_analyzer_missing(notes):
                         continue
                     for concurrency in levels:
                         result = gw_point(transport, http, grpc, name, workload, concurrency, timing)
                         rows.append(point("gateway", transport, label, workload, concurrency,
                                           result, workers=2, batching=batching))
+                if workload.name == "W1" and batching is None:
+                    rows.append(point("gateway", EMPTY_CALL, label, workload, 1,
+                                      empty_grpc_call(grpc, timing), workers=2, batching=batching))
         finally:
             stop_process(daemon)
     return rows
@@ -442,6 +452,10 @@ def gw_point(transport: str, rest_address: str, grpc_address: str, model: str,
     def check(index, output):
         return matches(workload, index, output)
 
+    if transport == PERF_ANALYZER:
+        return perf_analyzer_point(grpc_address, model, workload, concurrency, timing)
+    if transport == "gRPC" and concurrency == 1:  # a blocking client, as the native one at 1
+        return _grpc_sync(grpc_address, model, workload, window, check)
     if transport == "gRPC":
         return asyncio.run(_grpc_load(grpc_address, model, workload, concurrency, window, check))
     binary = transport == "REST binary"
@@ -482,6 +496,100 @@ def rest_output(response, content: bytes, shape: tuple) -> torch.Tensor:
     if length is None:
         return torch.tensor(json.loads(content)["outputs"][0]["data"]).reshape(shape)
     return torch.frombuffer(bytearray(content[int(length):]), dtype=torch.float32).reshape(shape)
+
+
+def _grpc_sync(address: str, model: str, workload: Workload, window: Window, check) -> dict:
+    import tritonclient.grpc as triton
+
+    arrays = [x.numpy() for x in workload.inputs]
+    client = triton.InferenceServerClient(address)
+
+    def call(index: int):
+        item = triton.InferInput("x", list(arrays[index].shape), "FP32")
+        item.set_data_from_numpy(arrays[index])
+        return torch.from_numpy(client.infer(model, [item]).as_numpy("y"))
+
+    try:
+        return run_threads(call, 1, window, SAMPLE_INPUTS, check)
+    finally:
+        client.close()
+
+
+EMPTY_CALL = "gRPC empty call"
+PERF_ANALYZER = "gRPC perf_analyzer"
+
+
+def empty_grpc_call(address: str, timing: Timing) -> dict:
+    """p50 of ServerLive, which the gateway answers without the daemon: what one gRPC round
+    trip costs here (tritonclient's Python client and the gateway's grpc.aio server) before
+    any inference. The floor of the gRPC target: a gateway that cost nothing itself would
+    still add this to the native round trip it makes for each request."""
+    import tritonclient.grpc as triton
+
+    client = triton.InferenceServerClient(address)
+    try:
+        return run_threads(lambda index: client.is_server_live(), 1,
+                           Window(timing.warmup_s, timing.duration_s), SAMPLE_INPUTS,
+                           lambda index, output: output is True)
+    finally:
+        client.close()
+
+
+def perf_analyzer_env() -> tuple[Path, dict] | str:
+    """Triton's perf_analyzer (a C++ gRPC/HTTP client in tritonclient's wheel) and the
+    environment it loads in, or why it cannot run here."""
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    if not binary.exists():
+        return "perf_analyzer is not installed (it comes with tritonclient)"
+    env = dict(os.environ)
+    try:  # it links libcudart even against a CPU server (the gateway-test extra has it)
+        import nvidia.cuda_runtime
+
+        lib = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
+    except ImportError:
+        pass
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env,
+                          timeout=30)
+    if done.returncode != 0:
+        return f"perf_analyzer cannot run: {done.stderr.strip()[-160:]} (Debian: apt install libb64-0d)"
+    return binary, env
+
+
+def perf_analyzer_missing(notes: list[str]) -> bool:
+    found = perf_analyzer_env()
+    if isinstance(found, str):
+        if not any(note.startswith("gateway: perf_analyzer") for note in notes):
+            notes.append(f"gateway: {found}")
+            print(f"note: gateway: {found}", flush=True)
+        return True
+    return False
+
+
+def perf_analyzer_point(address: str, model: str, workload: Workload, concurrency: int,
+                        timing: Timing) -> dict:
+    """perf_analyzer's own closed loop over gRPC at ``concurrency`` (it does not check answers;
+    a failed request fails the run)."""
+    binary, env = perf_analyzer_env()
+    window_ms = int(timing.duration_s * 1000)
+    done = subprocess.run(
+        [str(binary), "-m", model, "-i", "grpc", "-u", address, "--concurrency-range",
+         str(concurrency), "-p", str(window_ms), "--stability-percentage", "100", "--max-trials", "2",
+         "--percentile", "50", "--shape", "x:" + ",".join(map(str, workload.input_shape)),
+         "--max-threads", str(max(concurrency, 1))] + (["--async"] if concurrency > 1 else []),
+        capture_output=True, text=True, env=env, timeout=120 + 10 * timing.duration_s)
+    if done.returncode != 0:
+        return {"rps": None, "p50_ms": None, "p99_ms": None, "ok": 0, "errors": 1,
+                "first_error": (done.stdout + done.stderr).strip()[-300:]}
+
+    def number(pattern: str) -> float:
+        return float(re.findall(pattern, done.stdout)[-1])
+
+    count = int(number(r"Request count: (\d+)"))
+    return {"rps": round(number(r"Throughput: ([0-9.]+) infer/sec"), 1),
+            "p50_ms": round(number(r"p50 latency: (\d+) usec") / 1000, 3),
+            "p99_ms": round(number(r"p99 latency: (\d+) usec") / 1000, 3),
+            "ok": count, "errors": 0, "mismatches": 0, "checked": 0}
 
 
 async def _grpc_load(address: str, model: str, workload: Workload, concurrency: int,
@@ -746,6 +854,10 @@ def ratio(a: dict | None, b: dict | None, key: str = "rps") -> float | None:
     return a[key] / b[key]
 
 
+def p50(row: dict | None) -> str:
+    return f"{row['p50_ms']:.2f} ms" if row and row.get("p50_ms") is not None else "not measured"
+
+
 def describe(row: dict | None) -> str:
     return f"{row['system']} {row['config']}" if row else "not measured"
 
@@ -785,7 +897,18 @@ def targets(rows: list[dict], workloads: dict[str, Workload]) -> list[dict]:
     if any(row["system"] == "gateway" for row in rows):
         grpc1, native1 = gw(rows, "W1", 1, "gRPC", False), mw(rows, "W1", 1, "off")
         report.append(check("W1@1 gateway gRPC p50 / native client p50",
-                            ratio(grpc1, native1, "p50_ms"), "<=", 1.5, "batching off"))
+                            ratio(grpc1, native1, "p50_ms"), "<=", 1.5,
+                            f"batching off; tritonclient.grpc p50 {p50(grpc1)} vs modelwarden.Client "
+                            f"p50 {p50(native1)}"))
+        cxx = gw(rows, "W1", 1, PERF_ANALYZER, False)
+        if cxx is not None:
+            report.append(check("W1@1 gateway gRPC p50 with perf_analyzer (C++) / native p50",
+                                ratio(cxx, native1, "p50_ms"), "<=", 1.5, f"p50 {p50(cxx)}"))
+        empty = gw(rows, "W1", 1, EMPTY_CALL, False)
+        floor = (empty["p50_ms"] + native1["p50_ms"]) / native1["p50_ms"] if empty and native1 else None
+        report.append(check("W1@1 floor: (empty gRPC call p50 + native p50) / native p50", floor,
+                            "<=", 1.5, f"ServerLive p50 {p50(empty)}: a gateway that is a client of "
+                            "the frontend adds at least this to the native round trip"))
         for batched in (False, True):
             rest, peer = gw(rows, "W1", 64, "REST binary", batched), best(peer_rows(rows, "W1", 64, batched))
             report.append(check(f"W1@64 gateway REST binary / fastest HTTP peer, batching "

@@ -1,6 +1,7 @@
 """The gRPC half of the gateway: ``inference.GRPCInferenceService`` (gateway/proto) on grpc.aio.
 
-ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer. Inputs come
+ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, and Triton's
+ModelConfig (what perf_analyzer asks first; kserve.model_config says what it reports). Inputs come
 as ``raw_input_contents`` (one entry per input, what Triton's client sends) or as typed
 ``contents``; outputs always go back as ``raw_output_contents``. Errors abort the call with the
 status of ``kserve.GRPC_STATUS`` and the text ``CODE: message``. Messages are bounded by
@@ -61,6 +62,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             inputs=[tensor(**item) for item in metadata["inputs"]],
             outputs=[tensor(**item) for item in metadata["outputs"]])
 
+    async def ModelConfig(self, request, context):
+        try:
+            config = await self.service.model_config(request.name, request.version or None)
+        except Exception as exc:
+            await _abort(context, exc)
+        return pb.ModelConfigResponse(config=_config_message(config))
+
     async def ModelInfer(self, request, context):
         try:
             inputs = decode_inputs(request)
@@ -72,6 +80,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return encode_response(request, version, outputs)
         except Exception as exc:
             await _abort(context, exc)
+
+
+def _config_message(config: dict) -> "pb.ModelConfig":
+    def tensors(kind, items):
+        return [kind(name=item["name"], data_type=pb.DataType.Value(item["data_type"]),
+                     dims=item["dims"]) for item in items]
+
+    message = pb.ModelConfig(name=config["name"], platform=config["platform"],
+                             backend=config["backend"], max_batch_size=config["max_batch_size"],
+                             input=tensors(pb.ModelInput, config["input"]),
+                             output=tensors(pb.ModelOutput, config["output"]))
+    if "dynamic_batching" in config:
+        message.dynamic_batching.max_queue_delay_microseconds = \
+            config["dynamic_batching"]["max_queue_delay_microseconds"]
+    return message
 
 
 async def _abort(context, exc: BaseException) -> None:
@@ -155,6 +178,7 @@ METHODS = {  # name -> (request, response): the .proto's service
     "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse),
     "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
     "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse),
+    "ModelConfig": (pb.ModelConfigRequest, pb.ModelConfigResponse),
 }
 
 

@@ -5,6 +5,7 @@
     GET  /v2                                      server metadata (name, version, extensions)
     GET  /v2/models/{name}[/versions/{v}]         model metadata
     GET  /v2/models/{name}[/versions/{v}]/ready   200 ready, 503 not ready, 404 unknown
+    GET  /v2/models/{name}[/versions/{v}]/config  Triton's model configuration (its extension)
     POST /v2/models/{name}[/versions/{v}]/infer   JSON tensors, or the binary data extension
 
 Errors are ``{"error": "CODE: message"}`` with the status of ``kserve.HTTP_STATUS``. A body is
@@ -53,6 +54,13 @@ def make_app(service: InferenceService, max_body: int) -> Starlette:
         except Exception as exc:
             return error_response(exc)
 
+    async def model_config(request: Request) -> Response:
+        params = request.path_params
+        try:
+            return JSONResponse(await service.model_config(params["name"], params.get("version")))
+        except Exception as exc:
+            return error_response(exc)
+
     async def model_ready(request: Request) -> Response:
         params = request.path_params
         try:
@@ -83,6 +91,8 @@ def make_app(service: InferenceService, max_body: int) -> Starlette:
         Route("/v2/models/{name}/versions/{version}", model_metadata, methods=["GET"]),
         Route("/v2/models/{name}/ready", model_ready, methods=["GET"]),
         Route("/v2/models/{name}/versions/{version}/ready", model_ready, methods=["GET"]),
+        Route("/v2/models/{name}/config", model_config, methods=["GET"]),
+        Route("/v2/models/{name}/versions/{version}/config", model_config, methods=["GET"]),
         Route("/v2/models/{name}/infer", infer, methods=["POST"]),
         Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
     ]

@@ -75,7 +75,7 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable")
 MAX_DIMS = 32
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the native protocol's bound on timeout_ms
 HEADER_LENGTH = "inference-header-content-length"  # the binary data extension's HTTP header
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 
 
 def http_status(code: str) -> int:
@@ -135,6 +135,30 @@ def tensor_metadata(specs: list[dict] | None, batch_dim: int | None) -> list[dic
     """Declared inputs or outputs ({name, dtype, shape}) as protocol tensor metadata."""
     return [{"name": spec["name"], "datatype": DTYPE_DATATYPES.get(spec["dtype"], spec["dtype"].upper()),
              "shape": metadata_shape(list(spec["shape"]), batch_dim)} for spec in specs or []]
+
+
+def model_config(name: str, entry: dict) -> dict:
+    """Triton's model configuration (its JSON form) for a model's hello entry: what
+    perf_analyzer and model_analyzer read before they send anything.
+
+    A model that batches along dimension 0 reports ``max_batch_size`` (its batching
+    ``max_size``) and dims without that dimension, as Triton does; any other model reports 0
+    and its whole declared shapes (-1 where a dimension varies)."""
+    batch_dim = entry.get("batch_dim")
+    batched = batch_dim == 0
+    max_batch = int(entry.get("max_batch_size") or 0) if batched else 0
+
+    def tensors(specs: list[dict] | None) -> list[dict]:
+        return [{"name": item["name"], "data_type": "TYPE_" + item["datatype"],
+                 "dims": item["shape"][1:] if batched else item["shape"]}
+                for item in tensor_metadata(specs, batch_dim)]
+
+    config = {"name": name, "platform": "pytorch", "backend": "modelwarden",
+              "max_batch_size": max_batch,
+              "input": tensors(entry.get("inputs")), "output": tensors(entry.get("outputs"))}
+    if batched and max_batch > 1:
+        config["dynamic_batching"] = {"max_queue_delay_microseconds": int(entry.get("batch_delay_us") or 0)}
+    return config
 
 
 # -- tensors in -------------------------------------------------------------------------------

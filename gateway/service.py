@@ -141,6 +141,9 @@ class InferenceService:
                 "inputs": kserve.tensor_metadata(entry.get("inputs"), batch_dim),
                 "outputs": kserve.tensor_metadata(entry.get("outputs"), batch_dim)}
 
+    async def model_config(self, name: str, version: str | None = None) -> dict:
+        return kserve.model_config(name, await self.model(name, version))
+
     # -- inference --------------------------------------------------------------------------
 
     async def infer(self, name: str, version: str | None, inputs: list[kserve.InferInput],

@@ -414,6 +414,8 @@ class Arbiter:
         return {"ready": pool.ready_count(), "version": self.versions.of(config),
                 "outputs": [spec.model_dump() for spec in config.outputs or []],
                 "batch_dim": config.batching.dim if config.batching.enabled else None,
+                "max_batch_size": config.batching.max_size if config.batching.enabled else 0,
+                "batch_delay_us": config.batching.max_delay_us if config.batching.enabled else 0,
                 "timeout": config.timeout}
 
     def _on_control(self) -> None:

@@ -35,9 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MLP = make_mlp(hidden=32)  # what the daemon's mlp workers hold (fixed seed)
 
 
-def gateway_daemon(models: list[dict], gateway: dict | None = None, **daemon) -> Daemon:
+def gateway_daemon(models: list[dict], gateway: dict | None = None, env: dict | None = None,
+                   **daemon) -> Daemon:
     """A Daemon whose configuration has a [gateway] section (ephemeral ports by default)."""
-    instance = Daemon(models, daemon=daemon or None)
+    instance = Daemon(models, daemon=daemon or None, env=env)
     section = gateway or {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0"}
     lines = ["", "[gateway]"] + [f"{key} = {json.dumps(value)}" for key, value in section.items()]
     instance.config_path.write_text(instance.config_path.read_text() + "\n".join(lines) + "\n")
@@ -139,12 +140,91 @@ def test_health_and_metadata_through_tritonclient(daemon):
         assert client.is_model_ready("mlp", version)
 
 
+def _grpc_config(config: dict) -> dict:
+    """tritonclient's JSON of a gRPC ModelConfig (int64 as strings, zeros left out) in the
+    REST form."""
+    def tensors(items):
+        return [{**item, "dims": [int(dim) for dim in item["dims"]]} for item in items]
+
+    return {**config, "max_batch_size": config.get("max_batch_size", 0),
+            "input": tensors(config.get("input", [])), "output": tensors(config.get("output", []))}
+
+
+def test_model_config_is_what_tritons_tools_read(daemon):
+    """Triton's model_configuration extension, which perf_analyzer and model_analyzer read
+    before they send a request: the batch dimension leaves dims when the model batches."""
+    http_client, grpc_client = clients(daemon).values()
+    batching = {"name": "mlp", "platform": "pytorch", "backend": "modelwarden", "max_batch_size": 8,
+                "input": [{"name": "x", "data_type": "TYPE_FP32", "dims": [64]}],
+                "output": [{"name": "logits", "data_type": "TYPE_FP32", "dims": [10]}],
+                "dynamic_batching": {}}  # max_queue_delay_microseconds 0: left out by protobuf
+    plain = {"name": "pair", "platform": "pytorch", "backend": "modelwarden", "max_batch_size": 0,
+             "input": [{"name": "a", "data_type": "TYPE_FP32", "dims": [-1, 8]},
+                       {"name": "b", "data_type": "TYPE_FP32", "dims": [-1, 1]}],
+             "output": [{"name": "y", "data_type": "TYPE_FP32", "dims": [-1, 8]},
+                        {"name": "z", "data_type": "TYPE_FP32", "dims": [-1, 1]}]}
+    rest = http_client.get_model_config("mlp")
+    assert rest == {**batching, "dynamic_batching": {"max_queue_delay_microseconds": 0}}
+    assert http_client.get_model_config("pair") == plain
+    assert _grpc_config(grpc_client.get_model_config("mlp", as_json=True)["config"]) == batching
+    assert _grpc_config(grpc_client.get_model_config("pair", as_json=True)["config"]) == plain
+    assert "model_configuration" in http_client.get_server_metadata()["extensions"]
+    assert _get(gateway_row(daemon)["http"], "/v2/models/nope/config")[0] == 404
+    with pytest.raises(InferenceServerException) as raised:
+        grpc_client.get_model_config("nope")
+    assert raised.value.status() == "StatusCode.NOT_FOUND"
+
+
+def perf_analyzer_command() -> tuple[list[str], dict]:
+    """Triton's perf_analyzer (a C++ client shipped in tritonclient's wheel) and the environment
+    it loads in; skips the test, saying why, where it cannot run."""
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    if not binary.exists():
+        pytest.skip("perf_analyzer is not installed (tritonclient's wheel ships it)")
+    env = dict(os.environ)
+    try:  # it links libcudart even for a CPU server: the gateway-test extra installs it
+        import nvidia.cuda_runtime
+
+        lib = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
+    except ImportError:
+        pass
+    probe = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env,
+                           timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"perf_analyzer cannot run here: {probe.stderr.strip()[-200:]} "
+                    "(Debian: apt install libb64-0d)")
+    return [str(binary)], env
+
+
+def mlp_requests(daemon: Daemon) -> int:
+    return sum(worker["requests"] for worker in daemon.workers("mlp"))
+
+
+@pytest.mark.parametrize("kind", ["grpc", "http"])
+def test_tritons_perf_analyzer_measures_the_gateway_unchanged(daemon, kind):
+    command, env = perf_analyzer_command()
+    before = mlp_requests(daemon)
+    done = subprocess.run(command + ["-m", "mlp", "-i", kind, "-u", gateway_row(daemon)[kind],
+                                     "--concurrency-range", "2", "--measurement-mode",
+                                     "count_windows", "--measurement-request-count", "100",
+                                     "--stability-percentage", "100", "--max-trials", "3"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    counted = sum(int(n) for n in re.findall(r"Request count: (\d+)", done.stdout))
+    throughput = re.search(r"Concurrency: 2, throughput: ([0-9.]+) infer/sec", done.stdout)
+    assert counted >= 100 and throughput and float(throughput.group(1)) > 0, done.stdout
+    # The requests it counted reached the workers (warm-up and trials add more).
+    assert mlp_requests(daemon) - before >= counted
+
+
 def test_rest_health_endpoints_and_server_metadata(daemon):
     row = gateway_row(daemon)
     assert _get(row["http"], "/v2/health/live") == (200, {"live": True})
     assert _get(row["http"], "/v2/health/ready") == (200, {"ready": True})
     status, body = _get(row["http"], "/v2")
-    assert status == 200 and body["name"] == "modelwarden" and "binary_tensor_data" in body["extensions"]
+    assert status == 200 and body["name"] == "modelwarden"
+    assert set(body["extensions"]) == {"binary_tensor_data", "model_configuration"}
     assert _get(row["http"], "/v2/models/nope/ready")[0] == 404
     status, body = _get(row["http"], "/v2/models/mlp/versions/bogus")
     assert status == 404 and body["error"].startswith("UNKNOWN_MODEL: model 'mlp' has no version 'bogus'")
@@ -513,4 +593,92 @@ def test_readiness_follows_the_workers():
         instance.command("restart", target="mlp")
         poll_until(lambda: _get(row["http"], "/v2/health/ready")[0] == 200, 90,
                    message="the gateway ready again")
+    no_buffer_left()
+
+
+def test_a_daemon_configured_with_a_gateway_it_cannot_run_refuses_to_start(tmp_path):
+    # An interpreter where uvicorn is not installed, as importlib sees it: a None entry in
+    # sys.modules is the import system's own "no such module" (find_spec returns None, import
+    # raises ModuleNotFoundError), set here before the daemon's code runs.
+    shim = tmp_path / "no-uvicorn"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text("import sys\nsys.modules['uvicorn'] = None\n")
+    path = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+    with gateway_daemon([mlp_model("mlp", workers=1)], env={"PYTHONPATH": path}) as instance:
+        code = instance.process.wait(60)
+        log = instance.log()
+    assert code == 1, log
+    assert ("[gateway] is configured but uvicorn is not installed: pip install "
+            "'modelwarden[gateway]' (or remove the [gateway] section)") in log
+    assert "READY" not in log  # refused before any worker was spawned
+
+
+def test_readiness_is_503_while_the_daemon_drains_and_the_request_in_flight_completes(tmp_path):
+    from tests.faulty import GATE
+
+    gate = tmp_path / "gate"
+    model = {"name": "pair", "source": "python:tests.faulty:make_pair",
+             "kwargs": {"gate": str(gate)}, "workers": 1, "cores_per_worker": 1, "threads": 1,
+             "warmup": 0, "probe": {"interval": 0},
+             "inputs": [{"name": "a", "dtype": "float32", "shape": [-1, 8]},
+                        {"name": "b", "dtype": "float32", "shape": [-1, 1]}]}
+    a = np.zeros((1, 8), dtype=np.float32)
+    a[0, 0] = GATE
+    b = np.ones((1, 1), dtype=np.float32)
+    with gateway_daemon([model]) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        grpc_client = grpcclient.InferenceServerClient(row["grpc"])
+        gate.touch()
+        answers = []
+        held = threading.Thread(target=lambda: answers.append(infer(
+            grpcclient.InferenceServerClient(row["grpc"]), grpcclient, "pair", {"a": a, "b": b},
+            {"a": "FP32", "b": "FP32"})), name="held request")
+        held.start()
+        try:
+            poll_until(lambda: instance.workers("pair")[0]["inflight"] == 1, 60,
+                       message="the worker busy with the gated request")
+            instance.process.send_signal(signal.SIGTERM)
+            poll_until(lambda: _get(row["http"], "/v2/health/ready") == (503, {"ready": False}), 30,
+                       message="readiness 503 while the daemon drains")
+            assert not grpc_client.is_server_ready()
+            assert _get(row["http"], "/v2/health/live") == (200, {"live": True})
+            assert instance.process.poll() is None  # still draining: the request is held
+            status, body = _post(row["http"], "/v2/models/pair/infer", json.dumps(
+                {"inputs": [{"name": "a", "datatype": "FP32", "shape": [1, 8], "data": [0.0] * 8},
+                            {"name": "b", "datatype": "FP32", "shape": [1, 1], "data": [1.0]}]}).encode())
+            assert status == 503 and body["error"].startswith("SHUTTING_DOWN: "), body
+        finally:
+            gate.unlink(missing_ok=True)
+            join_within(held)
+        assert instance.process.wait(60) == 0
+    y, z = pair_reference(torch.from_numpy(a), torch.from_numpy(b))
+    np.testing.assert_allclose(answers[0].as_numpy("output__0"), y.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(answers[0].as_numpy("output__1"), z.numpy(), rtol=1e-6)
+    assert not alive(row["pid"])
+    no_buffer_left()
+
+
+def test_a_message_over_max_message_bytes_is_refused_on_both_transports():
+    limit = 1024 * 1024
+    with gateway_daemon([mlp_model("mlp", workers=1)],
+                        {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "max_message_bytes": limit}) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        big = np.zeros((1, limit // 4 + 1024), dtype=np.float32)  # 4 KiB over the limit
+        grpc_client = grpcclient.InferenceServerClient(row["grpc"])
+        with pytest.raises(InferenceServerException) as raised:
+            infer(grpc_client, grpcclient, "mlp", {"x": big}, {"x": "FP32"})
+        assert raised.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+        with pytest.raises(InferenceServerException) as raised:
+            infer(httpclient.InferenceServerClient(row["http"]), httpclient, "mlp", {"x": big},
+                  {"x": "FP32"})
+        assert raised.value.status() == "413"
+        # Refused, not fatal: the same gateway serves a request under the limit.
+        x = np.ones((2, 64), dtype=np.float32)
+        with torch.no_grad():
+            expected = MLP(torch.from_numpy(x)).numpy()
+        np.testing.assert_allclose(infer(grpc_client, grpcclient, "mlp", {"x": x}, {"x": "FP32"})
+                                   .as_numpy("output__0"), expected, rtol=1e-5, atol=1e-6)
+        assert gateway_row(instance)["pid"] == row["pid"]
     no_buffer_left()

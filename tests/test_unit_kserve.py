@@ -85,6 +85,25 @@ def _body(inputs, **extra) -> dict:
     return {"inputs": inputs, **extra}
 
 
+def test_model_config_drops_the_batch_dimension_only_when_it_is_dimension_0():
+    specs = [{"name": "x", "dtype": "float16", "shape": [1, 3, 224, 224]}]
+    outputs = [{"name": "y", "dtype": "int64", "shape": [1, 5]}]
+    batched = {"inputs": specs, "outputs": outputs, "batch_dim": 0, "max_batch_size": 16,
+               "batch_delay_us": 500}
+    assert kserve.model_config("m", batched) == {
+        "name": "m", "platform": "pytorch", "backend": "modelwarden", "max_batch_size": 16,
+        "input": [{"name": "x", "data_type": "TYPE_FP16", "dims": [3, 224, 224]}],
+        "output": [{"name": "y", "data_type": "TYPE_INT64", "dims": [5]}],
+        "dynamic_batching": {"max_queue_delay_microseconds": 500}}
+    # Batching along another dimension is not Triton's batching: whole shapes, -1 where it varies.
+    other = kserve.model_config("m", {**batched, "batch_dim": 1})
+    assert other["max_batch_size"] == 0 and "dynamic_batching" not in other
+    assert other["input"][0]["dims"] == [1, -1, 224, 224]
+    plain = kserve.model_config("m", {"inputs": specs, "outputs": [], "batch_dim": None})
+    assert plain["max_batch_size"] == 0 and plain["input"][0]["dims"] == [1, 3, 224, 224]
+    assert plain["output"] == [] and "dynamic_batching" not in plain
+
+
 def test_a_binary_request_splits_its_inputs_in_order():
     a, b = torch.randn(2, 3), torch.arange(4)
     binary = bytes(kserve.tensor_bytes(a)) + bytes(kserve.tensor_bytes(b))
