@@ -571,12 +571,12 @@ def perf_analyzer_point(address: str, model: str, workload: Workload, concurrenc
     """perf_analyzer's own closed loop over gRPC at ``concurrency`` (it does not check answers;
     a failed request fails the run)."""
     binary, env = perf_analyzer_env()
-    window_ms = int(timing.duration_s * 1000)
+    window_ms = int(timing.duration_s * 1000 / 2)  # three windows: its stability rule needs 3
     done = subprocess.run(
         [str(binary), "-m", model, "-i", "grpc", "-u", address, "--concurrency-range",
-         str(concurrency), "-p", str(window_ms), "--stability-percentage", "100", "--max-trials", "2",
-         "--percentile", "50", "--shape", "x:" + ",".join(map(str, workload.input_shape)),
-         "--max-threads", str(max(concurrency, 1))] + (["--async"] if concurrency > 1 else []),
+         str(concurrency), "-p", str(window_ms), "--stability-percentage", "100", "--max-trials", "3",
+         "--percentile", "50", "--shape", "x:" + ",".join(map(str, workload.input_shape))]
+        + (["--async"] if concurrency > 1 else []),
         capture_output=True, text=True, env=env, timeout=120 + 10 * timing.duration_s)
     if done.returncode != 0:
         return {"rps": None, "p50_ms": None, "p99_ms": None, "ok": 0, "errors": 1,
