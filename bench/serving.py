@@ -535,29 +535,10 @@ def empty_grpc_call(address: str, timing: Timing) -> dict:
         client.close()
 
 
-def perf_analyzer_env() -> tuple[Path, dict] | str:
-    """Triton's perf_analyzer (a C++ gRPC/HTTP client in tritonclient's wheel) and the
-    environment it loads in, or why it cannot run here."""
-    binary = Path(sys.executable).parent / "perf_analyzer"
-    if not binary.exists():
-        return "perf_analyzer is not installed (it comes with tritonclient)"
-    env = dict(os.environ)
-    try:  # it links libcudart even against a CPU server (the gateway-test extra has it)
-        import nvidia.cuda_runtime
-
-        lib = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
-        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
-    except ImportError:
-        pass
-    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env,
-                          timeout=30)
-    if done.returncode != 0:
-        return f"perf_analyzer cannot run: {done.stderr.strip()[-160:]} (Debian: apt install libb64-0d)"
-    return binary, env
-
-
 def perf_analyzer_missing(notes: list[str]) -> bool:
-    found = perf_analyzer_env()
+    from tests.helpers import perf_analyzer
+
+    found = perf_analyzer()
     if isinstance(found, str):
         if not any(note.startswith("gateway: perf_analyzer") for note in notes):
             notes.append(f"gateway: {found}")
@@ -570,7 +551,9 @@ def perf_analyzer_point(address: str, model: str, workload: Workload, concurrenc
                         timing: Timing) -> dict:
     """perf_analyzer's own closed loop over gRPC at ``concurrency`` (it does not check answers;
     a failed request fails the run)."""
-    binary, env = perf_analyzer_env()
+    from tests.helpers import perf_analyzer
+
+    binary, env = perf_analyzer()
     window_ms = int(timing.duration_s * 1000 / 2)  # three windows: its stability rule needs 3
     done = subprocess.run(
         [str(binary), "-m", model, "-i", "grpc", "-u", address, "--concurrency-range",

@@ -47,19 +47,19 @@ def make_app(service: InferenceService, max_body: int) -> Starlette:
     async def server_metadata(request: Request) -> Response:
         return JSONResponse(service.server_metadata())
 
-    async def model_metadata(request: Request) -> Response:
-        params = request.path_params
-        try:
-            return JSONResponse(await service.model_metadata(params["name"], params.get("version")))
-        except Exception as exc:
-            return error_response(exc)
+    def model_document(describe):
+        """A GET answered by ``describe(name, version)``'s JSON (metadata, configuration)."""
+        async def answer(request: Request) -> Response:
+            params = request.path_params
+            try:
+                return JSONResponse(await describe(params["name"], params.get("version")))
+            except Exception as exc:
+                return error_response(exc)
 
-    async def model_config(request: Request) -> Response:
-        params = request.path_params
-        try:
-            return JSONResponse(await service.model_config(params["name"], params.get("version")))
-        except Exception as exc:
-            return error_response(exc)
+        return answer
+
+    model_metadata = model_document(service.model_metadata)
+    model_config = model_document(service.model_config)
 
     async def model_ready(request: Request) -> Response:
         params = request.path_params

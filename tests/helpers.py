@@ -359,3 +359,25 @@ def temporary_user(prefix: str):
             subprocess.run(["userdel", user], check=True)
     finally:
         subprocess.run(["groupdel", group], check=True)
+
+
+def perf_analyzer() -> tuple[Path, dict] | str:
+    """Triton's perf_analyzer (a C++ client in tritonclient's wheel) and the environment it
+    loads in, or why it cannot run here."""
+    binary = Path(sys.executable).parent / "perf_analyzer"
+    if not binary.exists():
+        return "perf_analyzer is not installed (tritonclient's wheel ships it)"
+    env = dict(os.environ)
+    try:  # it links libcudart even to measure a CPU server: the gateway-test extra has it
+        import nvidia.cuda_runtime
+
+        lib = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
+        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
+    except ImportError:
+        pass
+    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env,
+                          timeout=30)
+    if done.returncode != 0:
+        return (f"perf_analyzer cannot run here: {done.stderr.strip()[-160:]} "
+                "(Debian: apt install libb64-0d)")
+    return binary, env

@@ -29,7 +29,7 @@ from examples.models import make_mlp  # noqa: E402
 from modelwarden import Client  # noqa: E402
 from tests.faulty import pair_reference  # noqa: E402
 from tests.helpers import (Daemon, alive, join_within, memfd_holders, mlp_model,  # noqa: E402
-                           poll_until)
+                           perf_analyzer, poll_until)
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = make_mlp(hidden=32)  # what the daemon's mlp workers hold (fixed seed)
@@ -176,25 +176,10 @@ def test_model_config_is_what_tritons_tools_read(daemon):
 
 
 def perf_analyzer_command() -> tuple[list[str], dict]:
-    """Triton's perf_analyzer (a C++ client shipped in tritonclient's wheel) and the environment
-    it loads in; skips the test, saying why, where it cannot run."""
-    binary = Path(sys.executable).parent / "perf_analyzer"
-    if not binary.exists():
-        pytest.skip("perf_analyzer is not installed (tritonclient's wheel ships it)")
-    env = dict(os.environ)
-    try:  # it links libcudart even for a CPU server: the gateway-test extra installs it
-        import nvidia.cuda_runtime
-
-        lib = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
-        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
-    except ImportError:
-        pass
-    probe = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env,
-                           timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"perf_analyzer cannot run here: {probe.stderr.strip()[-200:]} "
-                    "(Debian: apt install libb64-0d)")
-    return [str(binary)], env
+    found = perf_analyzer()
+    if isinstance(found, str):
+        pytest.skip(found)
+    return [str(found[0])], found[1]
 
 
 def mlp_requests(daemon: Daemon) -> int:
