@@ -213,3 +213,33 @@ def test_several_ipc_daemons_use_shared_memory_each(keys):
     finally:
         for daemon in daemons:
             daemon.cleanup()
+
+
+def test_the_cli_infers_over_several_endpoints_and_fails_over(pair, keys, tmp_path):
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from tests.helpers import ROOT
+
+    x = torch.randn(3, 8)
+    np.save(tmp_path / "x.npy", x.numpy())
+    key_args = ["--server-key", keys.alice()["server_key"], "--client-key", keys.alice()["client_key"]]
+
+    def infer_cli() -> torch.Tensor:
+        out = tmp_path / "y.npy"
+        out.unlink(missing_ok=True)
+        done = subprocess.run([sys.executable, "-m", "modelwarden", "infer", MODEL, "-i",
+                               str(tmp_path / "x.npy"), "-o", str(out), "--endpoint",
+                               ",".join(endpoints(pair)), *key_args],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return torch.from_numpy(np.load(out))
+
+    assert torch.allclose(infer_cli(), reference(x), rtol=1e-4, atol=1e-5)
+    pair[0].process.kill()
+    pair[0].process.wait(30)
+    served_before = served(pair[1])
+    assert torch.allclose(infer_cli(), reference(x), rtol=1e-4, atol=1e-5)  # the other daemon
+    assert served(pair[1]) == served_before + 1

@@ -22,6 +22,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ from tests.helpers import ROOT, poll_until, readline_within
 
 PORT = 5555
 REFUSED = "CURVE: refused"
+DEADLINE_S = 10.0  # the cut-link test's request deadline
+CUT_S = DEADLINE_S + 5.0  # and how long its link stays cut
 
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -223,3 +226,55 @@ def test_sigkill_one_daemon_under_load_then_restart_it(network, daemons, keys, t
             load.wait(30)
     assert summary["failed"] == 0 and summary["wrong"] == 0, summary
     assert summary["sent"] == summary["ok"] > 100, summary
+
+
+@pytest.mark.slow  # about 30 s: the link stays cut for CUT_S
+def test_a_silent_cut_link_is_caught_by_heartbeats_and_the_daemon_behind_it_serves_once_it_is_back(
+        network, daemons, keys, tmp_path):
+    """d1's cable pulled out of the switch, and nothing on the client's side says so: its
+    neighbour entry for d1 is pinned, so no ARP failure turns into an error on the connection
+    (no RST, no FIN, no EHOSTUNREACH): the packets just vanish. Only the client's heartbeats can
+    notice the silence; the requests held behind the cut are sent to the other daemon, nothing
+    fails; once the link is back, the daemon behind it serves again."""
+    from tests.fleet import served
+
+    first, second = daemons
+    stop = tmp_path / "stop"
+    port = f"{network.tag}d1"  # d1's port on the switch
+    mac = json.loads(ip("-n", network.ns("d1"), "-j", "link", "show", "eth-d1").stdout)[0]["address"]
+    ip("-n", network.ns("c"), "neigh", "replace", network.hosts["d1"], "lladdr", mac, "dev", "eth-c",
+       "nud", "permanent")
+    # A request deadline shorter than the cut: a request left waiting behind the cut fails with
+    # TIMEOUT; one re-sent after the heartbeats' 5 s is answered by d2 well within it.
+    load = client(network, "--threads", "4", "--stop-file", str(stop), "--timeout", str(DEADLINE_S),
+                  *key_args(keys))
+    try:
+        assert readline_within(load.stdout, 60).strip() == "started"
+        poll_until(lambda: served(first) >= 20 and served(second) >= 20, 60,
+                   message="both daemons serving the load")
+        ip("-n", network.switch, "link", "set", port, "down")
+        try:
+            cut_at, across = time.monotonic(), served(second)
+            poll_until(lambda: served(second) >= across + 200, 60,
+                       message="the other daemon taking the whole load across the cut")
+            # Nothing new reaches d1 while it is cut off (what was on the wire waits with it).
+            held = served(first)
+            poll_until(lambda: time.monotonic() - cut_at > CUT_S and served(second) >= across + 300,
+                       CUT_S + 60, message=f"the link cut for {CUT_S}s, longer than a deadline")
+            assert served(first) == held
+        finally:
+            ip("-n", network.switch, "link", "set", port, "up")
+            ip("-n", network.ns("c"), "neigh", "del", network.hosts["d1"], "dev", "eth-c", check=False)
+        back = served(first)
+        poll_until(lambda: served(first) >= back + 20, 60,
+                   message="the daemon behind the link serving again once it is back")
+        stop.touch()
+        out, err = load.communicate(timeout=120)
+        assert load.returncode == 0, err[-3000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait(30)
+    assert summary["failed"] == 0 and summary["wrong"] == 0, summary
+    assert summary["sent"] == summary["ok"] > 300, summary

@@ -222,6 +222,28 @@ def test_a_weights_file_that_does_not_fit_the_model_is_a_load_error_in_status(tm
         assert "size mismatch" in worker["error"] and worker["last_exit"].startswith("exit 4"), worker
 
 
+def test_an_exported_program_takes_its_weights_from_the_file(tmp_path):
+    # torch.export's module keeps the original module's parameter names, so the file's
+    # weights replace the ones exported with the program.
+    exported = make_mlp(16, 32, 4, seed=1).eval()
+    program = torch.export.export(exported, (torch.randn(2, 16),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch")},))
+    torch.export.save(program, tmp_path / "m.pt2")
+    write_weights(tmp_path / "w.safetensors", in_features=16, hidden=32, out_features=4)
+    model = {"name": "exported", "source": f"export:{tmp_path / 'm.pt2'}", "weights": "mmap",
+             "weights_file": str(tmp_path / "w.safetensors"), "workers": 1, "cores_per_worker": 1,
+             "threads": 1, "warmup": 1, "inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 16]}]}
+    x = torch.randn(5, 16)
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint, timeout=30) as client:
+            y = client.infer("exported", x)
+    with torch.no_grad():
+        assert torch.allclose(y, reference_model(in_features=16, hidden=32, out_features=4)(x),
+                              rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(y, exported(x), rtol=1e-3, atol=1e-3)
+
+
 def test_the_memory_bench_judges_mmap_against_its_target(capsys):
     from bench.memory import report
 
