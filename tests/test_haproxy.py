@@ -9,7 +9,13 @@ connection closed before the response; what it does not absorb reaches RetryingC
 retries are printed (``-s``).
 
 The balancer passes the byte stream through untouched (mode tcp): TLS or CURVE would go through
-the same way. Skips without the haproxy binary (apt-get install haproxy) or the gateway extras."""
+the same way.
+
+The same with gRPC: HAProxy in HTTP mode speaking HTTP/2 (h2c) on both sides balances each
+gRPC call on its own, health-checked on the same REST endpoint; tritonclient.grpc through it,
+with the gRPC rows of the same retry policy (RetryingGrpcClient).
+
+Skips without the haproxy binary (apt-get install haproxy) or the gateway extras."""
 
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ import torch
 
 pytest.importorskip("uvicorn", reason="the gateway extra is not installed: pip install '.[gateway]'")
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient is in the gateway-test extra")
+grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient is in the gateway-test extra")
 from geventhttpclient.response import HTTPConnectionClosed  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -61,11 +68,39 @@ backend gateways
     server second 127.0.0.1:{second} check
 """
 
+# gRPC: HTTP mode, HTTP/2 without TLS (h2c) to the clients and to the gateways, so each call is
+# balanced on its own; the health check stays HTTP/1.1 GET /v2/health/ready on the REST port.
+CONFIG_GRPC = """\
+global
+    maxconn 512
+    stats socket {stats} mode 600 level user
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 60s
+    timeout server 60s
+    retries 3
+    option redispatch
+frontend fleet
+    bind 127.0.0.1:{front} proto h2
+    default_backend gateways
+backend gateways
+    balance roundrobin
+    option httpchk GET /v2/health/ready
+    http-check expect status 200
+    default-server inter 200ms fall 2 rise 2 on-marked-down shutdown-sessions
+    server first 127.0.0.1:{first} proto h2 check port {first_http} check-proto h1
+    server second 127.0.0.1:{second} proto h2 check port {second_http} check-proto h1
+"""
 
-def gateway_fleet_daemon(port: int):
+
+def gateway_fleet_daemon(port: int, grpc_port: int | None = None):
     model = fleet_model(outputs=[{"name": "y", "dtype": "float32", "shape": [-1, 8]}])
-    daemon = gateway_daemon([model], {"http": f"127.0.0.1:{port}"})
-    daemon.http_port = port
+    listeners = {"http": f"127.0.0.1:{port}"}
+    if grpc_port is not None:
+        listeners["grpc"] = f"127.0.0.1:{grpc_port}"
+    daemon = gateway_daemon([model], listeners)
+    daemon.http_port, daemon.grpc_port = port, grpc_port
     return daemon
 
 
@@ -118,12 +153,59 @@ class RetryingClient:
         self.retried[kind] = self.retried.get(kind, 0) + 1
 
 
+NOT_RUN = ("OVERLOADED", "NO_WORKER", "SHUTTING_DOWN")  # a gateway's UNAVAILABLE: it did not run
+
+
+class RetryingGrpcClient:
+    """tritonclient over gRPC with the gRPC rows of docs/SCALING.md's policy: UNAVAILABLE from a
+    gateway (OVERLOADED, NO_WORKER, SHUTTING_DOWN: it did not run) is retried with back-off, up
+    to 5 times; any other UNAVAILABLE (HAProxy's 502 or a reset: the call may have run) once.
+    Anything else is a failure."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = grpcclient.InferenceServerClient(url)
+        self.retried: dict[str, int] = {}
+        self._backoff = threading.Event()  # never set: a wait with a timeout
+
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        not_run, may_have_run = 0, 0
+        while True:
+            try:
+                item = grpcclient.InferInput("x", list(x.shape), "FP32")
+                item.set_data_from_numpy(x)
+                return self.client.infer(MODEL, [item], client_timeout=30).as_numpy("y")
+            except InferenceServerException as exc:
+                if exc.status() != "StatusCode.UNAVAILABLE":
+                    raise
+                if any(code in exc.message() for code in NOT_RUN):
+                    if not_run == 5:
+                        raise
+                    not_run += 1
+                    self._note(f"UNAVAILABLE {exc.message()[:30]}")
+                else:
+                    if may_have_run == 1:
+                        raise
+                    may_have_run += 1
+                    self._note(f"UNAVAILABLE {exc.message()[:60]}")
+            if not_run > 1:
+                self._backoff.wait(min(2.0, 0.1 * 2 ** (not_run - 2)))
+
+    def reconnect(self) -> None:
+        self.client.close()
+        self.client = grpcclient.InferenceServerClient(self.url)
+
+    def _note(self, kind: str) -> None:
+        self.retried[kind] = self.retried.get(kind, 0) + 1
+
+
 class TritonLoad:
     """``threads`` threads, each with its own retrying client (a new connection every 25
     requests, so a restarted backend gets connections again), until stopped."""
 
-    def __init__(self, url: str, threads: int = 4) -> None:
+    def __init__(self, url: str, threads: int = 4, client=RetryingClient) -> None:
         self.url = url
+        self.make_client = client
         self.ok = 0
         self.failures: list[str] = []
         self.retried: dict[str, int] = {}
@@ -134,7 +216,7 @@ class TritonLoad:
 
     def _run(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        client = RetryingClient(self.url)
+        client = self.make_client(self.url)
         count = 0
         while not self._stop.is_set():
             x = rng.standard_normal((4, 8), dtype=np.float32)
@@ -171,11 +253,23 @@ class TritonLoad:
 @pytest.fixture
 def balanced(tmp_path: Path):
     daemons = [gateway_fleet_daemon(free_port()) for _ in range(2)]
+    yield from running_behind_haproxy(tmp_path, daemons, CONFIG, first=daemons[0].http_port,
+                                      second=daemons[1].http_port)
+
+
+@pytest.fixture
+def balanced_grpc(tmp_path: Path):
+    daemons = [gateway_fleet_daemon(free_port(), free_port()) for _ in range(2)]
+    yield from running_behind_haproxy(tmp_path, daemons, CONFIG_GRPC, first=daemons[0].grpc_port,
+                                      second=daemons[1].grpc_port, first_http=daemons[0].http_port,
+                                      second_http=daemons[1].http_port)
+
+
+def running_behind_haproxy(tmp_path: Path, daemons: list, template: str, **ports):
     front = free_port()
     config = tmp_path / "haproxy.cfg"
     stats = tmp_path / "stats.sock"
-    config.write_text(CONFIG.format(front=front, stats=stats, first=daemons[0].http_port,
-                                    second=daemons[1].http_port))
+    config.write_text(template.format(front=front, stats=stats, **ports))
     check = subprocess.run([HAPROXY, "-c", "-f", str(config)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
     proxy = None
@@ -220,9 +314,35 @@ def ready_through(url: str) -> bool:
 def test_tritonclient_through_haproxy_survives_a_killed_and_restarted_daemon(balanced):
     (first, second), url, stats = balanced
     poll_until(lambda: ready_through(url), 60, message="the gateways ready through HAProxy")
+    kill_and_restart_behind_haproxy(first, second, stats, TritonLoad(url))
+
+
+def test_grpc_through_haproxy_is_balanced_per_call_and_survives_a_killed_and_restarted_daemon(
+        balanced_grpc):
+    (first, second), url, stats = balanced_grpc
+    poll_until(lambda: ready_through_grpc(url), 60, message="the gateways ready through HAProxy")
+    # One channel, one HTTP/2 connection to HAProxy: its calls still reach both daemons.
+    client = RetryingGrpcClient(url)
+    before = served(first), served(second)
+    x = np.ones((4, 8), dtype=np.float32)
+    for _ in range(20):
+        np.testing.assert_allclose(client.infer(x), reference(torch.from_numpy(x)).numpy(),
+                                   rtol=1e-4, atol=1e-5)
+    assert served(first) > before[0] and served(second) > before[1]
+    client.client.close()
+    kill_and_restart_behind_haproxy(first, second, stats, TritonLoad(url, client=RetryingGrpcClient))
+
+
+def ready_through_grpc(url: str) -> bool:
+    try:
+        return grpcclient.InferenceServerClient(url).is_server_ready()
+    except Exception:
+        return False
+
+
+def kill_and_restart_behind_haproxy(first, second, stats: Path, load: TritonLoad) -> None:
     poll_until(lambda: server_status(stats, "first") == server_status(stats, "second") == "UP", 30,
                message="HAProxy's health checks passing on both gateways")
-    load = TritonLoad(url)
     with load:
         poll_until(lambda: served(first) >= 20 and served(second) >= 20, 60,
                    message="both daemons serving through HAProxy")
