@@ -149,8 +149,10 @@ def model_config(name: str, entry: dict) -> dict:
     max_batch = int(entry.get("max_batch_size") or 0) if batched else 0
 
     def tensors(specs: list[dict] | None) -> list[dict]:
-        return [{"name": item["name"], "data_type": "TYPE_" + item["datatype"],
-                 "dims": item["shape"][1:] if batched else item["shape"]}
+        # complex dtypes have no Triton type: TYPE_INVALID, as Triton says of a type it lacks
+        return [{"name": item["name"], "dims": item["shape"][1:] if batched else item["shape"],
+                 "data_type": f"TYPE_{item['datatype']}" if item["datatype"] in DATATYPES
+                 else "TYPE_INVALID"}
                 for item in tensor_metadata(specs, batch_dim)]
 
     config = {"name": name, "platform": "pytorch", "backend": "modelwarden",

@@ -102,6 +102,9 @@ def test_model_config_drops_the_batch_dimension_only_when_it_is_dimension_0():
     plain = kserve.model_config("m", {"inputs": specs, "outputs": [], "batch_dim": None})
     assert plain["max_batch_size"] == 0 and plain["input"][0]["dims"] == [1, 3, 224, 224]
     assert plain["output"] == [] and "dynamic_batching" not in plain
+    complex_input = [{"name": "z", "dtype": "complex64", "shape": [4]}]
+    assert kserve.model_config("m", {"inputs": complex_input})["input"] == [
+        {"name": "z", "data_type": "TYPE_INVALID", "dims": [4]}]
 
 
 def test_a_binary_request_splits_its_inputs_in_order():
