@@ -561,18 +561,22 @@ def perf_analyzer_point(address: str, model: str, workload: Workload, concurrenc
          "--percentile", "50", "--shape", "x:" + ",".join(map(str, workload.input_shape))]
         + (["--async"] if concurrency > 1 else []),
         capture_output=True, text=True, env=env, timeout=120 + 10 * timing.duration_s)
+    failed = {"rps": None, "p50_ms": None, "p99_ms": None, "ok": 0, "errors": 1,
+              "first_error": (done.stdout + done.stderr).strip()[-300:]}
     if done.returncode != 0:
-        return {"rps": None, "p50_ms": None, "p99_ms": None, "ok": 0, "errors": 1,
-                "first_error": (done.stdout + done.stderr).strip()[-300:]}
+        return failed
 
     def number(pattern: str) -> float:
         return float(re.findall(pattern, done.stdout)[-1])
 
-    count = int(number(r"Request count: (\d+)"))
-    return {"rps": round(number(r"Throughput: ([0-9.]+) infer/sec"), 1),
-            "p50_ms": round(number(r"p50 latency: (\d+) usec") / 1000, 3),
-            "p99_ms": round(number(r"p99 latency: (\d+) usec") / 1000, 3),
-            "ok": count, "errors": 0, "mismatches": 0, "checked": 0}
+    try:
+        return {"rps": round(number(r"Throughput: ([0-9.]+) infer/sec"), 1),
+                "p50_ms": round(number(r"p50 latency: (\d+) usec") / 1000, 3),
+                "p99_ms": round(number(r"p99 latency: (\d+) usec") / 1000, 3),
+                "ok": int(number(r"Request count: (\d+)")), "errors": 0, "mismatches": 0,
+                "checked": 0}
+    except (IndexError, ValueError):  # a report this code does not know how to read
+        return failed
 
 
 async def _grpc_load(address: str, model: str, workload: Workload, concurrency: int,
