@@ -45,17 +45,20 @@ from tests.test_gateway import gateway_daemon  # noqa: E402
 HAPROXY = shutil.which("haproxy")
 pytestmark = pytest.mark.skipif(HAPROXY is None, reason="no haproxy binary: apt-get install -y haproxy")
 
-CONFIG = """\
+PREAMBLE = """\
 global
     maxconn 512
     stats socket {stats} mode 600 level user
 defaults
-    mode tcp
+    mode MODE
     timeout connect 1s
     timeout client 60s
     timeout server 60s
     retries 3
     option redispatch
+"""
+
+CONFIG = PREAMBLE.replace("MODE", "tcp") + """\
 frontend fleet
     bind 127.0.0.1:{front}
     default_backend gateways
@@ -70,17 +73,7 @@ backend gateways
 
 # gRPC: HTTP mode, HTTP/2 without TLS (h2c) to the clients and to the gateways, so each call is
 # balanced on its own; the health check stays HTTP/1.1 GET /v2/health/ready on the REST port.
-CONFIG_GRPC = """\
-global
-    maxconn 512
-    stats socket {stats} mode 600 level user
-defaults
-    mode http
-    timeout connect 1s
-    timeout client 60s
-    timeout server 60s
-    retries 3
-    option redispatch
+CONFIG_GRPC = PREAMBLE.replace("MODE", "http") + """\
 frontend fleet
     bind 127.0.0.1:{front} proto h2
     default_backend gateways
@@ -104,17 +97,42 @@ def gateway_fleet_daemon(port: int, grpc_port: int | None = None):
     return daemon
 
 
-class RetryingClient:
+class Retrying:
+    """What both transports' retrying clients share: a tritonclient made by ``connect``, the
+    retries counted by kind, and the policy's back-off."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.client = self.connect()
+        self.retried: dict[str, int] = {}
+        self._backoff = threading.Event()  # never set: a wait with a timeout
+
+    def connect(self):
+        raise NotImplementedError
+
+    def reconnect(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # a broken connection may fail to close: it is gone either way
+            pass
+        self.client = self.connect()
+
+    def back_off(self, not_run: int) -> None:
+        if not_run > 1:  # the first retry at once, then exponential back-off
+            self._backoff.wait(min(2.0, 0.1 * 2 ** (not_run - 2)))
+
+    def _note(self, kind: str) -> None:
+        self.retried[kind] = self.retried.get(kind, 0) + 1
+
+
+class RetryingClient(Retrying):
     """tritonclient over HTTP with the retry policy of docs/SCALING.md: a 503 or a refused
     connection (it did not run) is retried with back-off, up to 5 times; a connection that broke
     after the request was sent (it may have run) is retried once, on a new connection. Anything
     else is a failure."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.client = httpclient.InferenceServerClient(url, connection_timeout=5, network_timeout=30)
-        self.retried: dict[str, int] = {}
-        self._backoff = threading.Event()  # never set: a wait with a timeout
+    def connect(self):
+        return httpclient.InferenceServerClient(self.url, connection_timeout=5, network_timeout=30)
 
     def infer(self, x: np.ndarray) -> np.ndarray:
         not_run, may_have_run = 0, 0
@@ -138,35 +156,21 @@ class RetryingClient:
                     raise
                 may_have_run += 1
                 self._note(type(exc).__name__)
-            if not_run > 1:  # the first retry at once, then exponential back-off
-                self._backoff.wait(min(2.0, 0.1 * 2 ** (not_run - 2)))
+            self.back_off(not_run)
             self.reconnect()
-
-    def reconnect(self) -> None:
-        try:
-            self.client.close()
-        except Exception:  # a broken connection may fail to close: it is gone either way
-            pass
-        self.client = httpclient.InferenceServerClient(self.url, connection_timeout=5, network_timeout=30)
-
-    def _note(self, kind: str) -> None:
-        self.retried[kind] = self.retried.get(kind, 0) + 1
 
 
 NOT_RUN = ("OVERLOADED", "NO_WORKER", "SHUTTING_DOWN")  # a gateway's UNAVAILABLE: it did not run
 
 
-class RetryingGrpcClient:
+class RetryingGrpcClient(Retrying):
     """tritonclient over gRPC with the gRPC rows of docs/SCALING.md's policy: UNAVAILABLE from a
     gateway (OVERLOADED, NO_WORKER, SHUTTING_DOWN: it did not run) is retried with back-off, up
     to 5 times; any other UNAVAILABLE (HAProxy's 502 or a reset: the call may have run) once.
     Anything else is a failure."""
 
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.client = grpcclient.InferenceServerClient(url)
-        self.retried: dict[str, int] = {}
-        self._backoff = threading.Event()  # never set: a wait with a timeout
+    def connect(self):
+        return grpcclient.InferenceServerClient(self.url)
 
     def infer(self, x: np.ndarray) -> np.ndarray:
         not_run, may_have_run = 0, 0
@@ -188,15 +192,7 @@ class RetryingGrpcClient:
                         raise
                     may_have_run += 1
                     self._note(f"UNAVAILABLE {exc.message()[:60]}")
-            if not_run > 1:
-                self._backoff.wait(min(2.0, 0.1 * 2 ** (not_run - 2)))
-
-    def reconnect(self) -> None:
-        self.client.close()
-        self.client = grpcclient.InferenceServerClient(self.url)
-
-    def _note(self, kind: str) -> None:
-        self.retried[kind] = self.retried.get(kind, 0) + 1
+            self.back_off(not_run)
 
 
 class TritonLoad:

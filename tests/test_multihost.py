@@ -16,6 +16,7 @@ Everything is removed in the fixture's finally; without root or ``ip netns``, th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -147,6 +148,33 @@ def run_client(network: Network, *args: str, timeout: float = 120) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def load_client(network: Network, keys: FleetKeys, stop: Path, *options: str):
+    """A 4-thread load from the client's namespace, running until ``stop_load``; killed if the
+    test fails first."""
+    load = client(network, "--threads", "4", "--stop-file", str(stop), *options, *key_args(keys))
+    try:
+        assert readline_within(load.stdout, 60).strip() == "started"
+        yield load
+    finally:
+        if load.poll() is None:
+            load.kill()
+            load.wait(30)
+
+
+def assert_none_lost(summary: dict, more_than: int) -> None:
+    assert summary["failed"] == 0 and summary["wrong"] == 0, summary
+    assert summary["sent"] == summary["ok"] > more_than, summary
+
+
+def stop_load(load: subprocess.Popen, stop: Path) -> dict:
+    """Stop a ``--stop-file`` load client; its summary of counts."""
+    stop.touch()
+    out, err = load.communicate(timeout=120)
+    assert load.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def key_args(keys: FleetKeys, client_secret: Path | None = None) -> list[str]:
     return ["--server-key", str(keys.server_public), "--client-key",
             str(client_secret or keys.alice_secret)]
@@ -208,24 +236,10 @@ def test_no_key_or_a_wrong_key_gets_nothing_and_the_daemons_log_it(network, daem
 
 def test_sigkill_one_daemon_under_load_then_restart_it(network, daemons, keys, tmp_path):
     stop = tmp_path / "stop"
-    load = client(network, "--threads", "4", "--stop-file", str(stop), *key_args(keys))
-    try:
-        assert readline_within(load.stdout, 60).strip() == "started"
-
-        def stop_load() -> dict:
-            stop.touch()
-            out, err = load.communicate(timeout=120)
-            assert load.returncode == 0, err[-3000:]
-            return json.loads(out.strip().splitlines()[-1])
-
-        summary = kill_and_restart_under_load(daemons[0], daemons[1], stop_load,
+    with load_client(network, keys, stop) as load:
+        summary = kill_and_restart_under_load(daemons[0], daemons[1], lambda: stop_load(load, stop),
                                               restart=lambda daemon: daemon.start())
-    finally:
-        if load.poll() is None:
-            load.kill()
-            load.wait(30)
-    assert summary["failed"] == 0 and summary["wrong"] == 0, summary
-    assert summary["sent"] == summary["ok"] > 100, summary
+    assert_none_lost(summary, more_than=100)
 
 
 @pytest.mark.slow  # about 30 s: the link stays cut for CUT_S
@@ -246,10 +260,7 @@ def test_a_silent_cut_link_is_caught_by_heartbeats_and_the_daemon_behind_it_serv
        "nud", "permanent")
     # A request deadline shorter than the cut: a request left waiting behind the cut fails with
     # TIMEOUT; one re-sent after the heartbeats' 5 s is answered by d2 well within it.
-    load = client(network, "--threads", "4", "--stop-file", str(stop), "--timeout", str(DEADLINE_S),
-                  *key_args(keys))
-    try:
-        assert readline_within(load.stdout, 60).strip() == "started"
+    with load_client(network, keys, stop, "--timeout", str(DEADLINE_S)) as load:
         poll_until(lambda: served(first) >= 20 and served(second) >= 20, 60,
                    message="both daemons serving the load")
         ip("-n", network.switch, "link", "set", port, "down")
@@ -268,13 +279,5 @@ def test_a_silent_cut_link_is_caught_by_heartbeats_and_the_daemon_behind_it_serv
         back = served(first)
         poll_until(lambda: served(first) >= back + 20, 60,
                    message="the daemon behind the link serving again once it is back")
-        stop.touch()
-        out, err = load.communicate(timeout=120)
-        assert load.returncode == 0, err[-3000:]
-        summary = json.loads(out.strip().splitlines()[-1])
-    finally:
-        if load.poll() is None:
-            load.kill()
-            load.wait(30)
-    assert summary["failed"] == 0 and summary["wrong"] == 0, summary
-    assert summary["sent"] == summary["ok"] > 300, summary
+        summary = stop_load(load, stop)
+    assert_none_lost(summary, more_than=300)
