@@ -419,6 +419,8 @@ def bench_gateway(workdir: Path, workloads: dict[str, Workload], levels: list[in
         print(f"note: {missing}", flush=True)
         return []
     chosen = {name: workload for name, workload in workloads.items() if name in GATEWAY_WORKLOADS}
+    analyzer = find_perf_analyzer(notes)
+    transports = ("REST JSON", "REST binary", "gRPC") + ((PERF_ANALYZER,) if analyzer else ())
     rows = []
     for label, batching in (mw_configs()[0], mw_configs()[2]):
         http, grpc = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
@@ -428,13 +430,16 @@ def bench_gateway(workdir: Path, workloads: dict[str, Workload], levels: list[in
         try:
             wait_gateway(http, daemon)
             for name, workload in models.items():
-                for transport in ("REST JSON", "REST binary", "gRPC", PERF_ANALYZER):
+                for transport in transports:
                     if transport == "REST JSON" and workload.name == "W3":
                         continue
-                    if transport == PERF_ANALYZER and perf_analyzer_missing(notes):
-                        continue
                     for concurrency in levels:
-                        result = gw_point(transport, http, grpc, name, workload, concurrency, timing)
+                        if transport == PERF_ANALYZER:
+                            result = perf_analyzer_point(analyzer, grpc, name, workload, concurrency,
+                                                         timing)
+                        else:
+                            result = gw_point(transport, http, grpc, name, workload, concurrency,
+                                              timing)
                         rows.append(point("gateway", transport, label, workload, concurrency,
                                           result, workers=2, batching=batching))
                 if workload.name == "W1" and batching is None:
@@ -452,8 +457,6 @@ def gw_point(transport: str, rest_address: str, grpc_address: str, model: str,
     def check(index, output):
         return matches(workload, index, output)
 
-    if transport == PERF_ANALYZER:
-        return perf_analyzer_point(grpc_address, model, workload, concurrency, timing)
     if transport == "gRPC" and concurrency == 1:  # a blocking client, as the native one at 1
         return _grpc_sync(grpc_address, model, workload, window, check)
     if transport == "gRPC":
@@ -535,25 +538,23 @@ def empty_grpc_call(address: str, timing: Timing) -> dict:
         client.close()
 
 
-def perf_analyzer_missing(notes: list[str]) -> bool:
+def find_perf_analyzer(notes: list[str]) -> tuple[Path, dict] | None:
+    """perf_analyzer's binary and environment, or None with a note saying why."""
     from tests.helpers import perf_analyzer
 
     found = perf_analyzer()
     if isinstance(found, str):
-        if not any(note.startswith("gateway: perf_analyzer") for note in notes):
-            notes.append(f"gateway: {found}")
-            print(f"note: gateway: {found}", flush=True)
-        return True
-    return False
+        notes.append(f"gateway: {found}")
+        print(f"note: gateway: {found}", flush=True)
+        return None
+    return found
 
 
-def perf_analyzer_point(address: str, model: str, workload: Workload, concurrency: int,
-                        timing: Timing) -> dict:
+def perf_analyzer_point(analyzer: tuple[Path, dict], address: str, model: str,
+                        workload: Workload, concurrency: int, timing: Timing) -> dict:
     """perf_analyzer's own closed loop over gRPC at ``concurrency`` (it does not check answers;
     a failed request fails the run)."""
-    from tests.helpers import perf_analyzer
-
-    binary, env = perf_analyzer()
+    binary, env = analyzer
     window_ms = int(timing.duration_s * 1000 / 2)  # three windows: its stability rule needs 3
     done = subprocess.run(
         [str(binary), "-m", model, "-i", "grpc", "-u", address, "--concurrency-range",
