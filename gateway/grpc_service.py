@@ -4,7 +4,9 @@ ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfe
 ModelConfig (what perf_analyzer asks first; kserve.model_config says what it reports). Inputs come
 as ``raw_input_contents`` (one entry per input, what Triton's client sends) or as typed
 ``contents``; outputs always go back as ``raw_output_contents``. Errors abort the call with the
-status of ``kserve.GRPC_STATUS`` and the text ``CODE: message``. Messages are bounded by
+status of ``kserve.GRPC_STATUS`` and the text ``CODE: message``. With a token file
+(gateway/access.py), every method but ServerLive and ServerReady aborts UNAUTHENTICATED a call
+without a valid ``authorization: Bearer TOKEN`` in its metadata, before its message is looked at. Messages are bounded by
 ``max_message_bytes`` in both directions (grpc refuses a larger one with RESOURCE_EXHAUSTED
 before we see it).
 """
@@ -17,7 +19,7 @@ import grpc
 import numpy as np
 import torch
 
-from modelwarden.gateway import kserve
+from modelwarden.gateway import access, kserve
 from modelwarden.gateway.proto import grpc_predict_v2_pb2 as pb
 from modelwarden.gateway.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from modelwarden.gateway.service import InferenceService, error_of
@@ -201,8 +203,15 @@ def _tolerant(parse):
     return deserialize
 
 
-def _refusing_unreadable(method):
+def _checked(method, name: str, gate: access.Gatekeeper | None):
+    """The caller's token first (unless the method is open), then the message's shape."""
+    guarded = gate is not None and name not in access.OPEN_METHODS
+
     async def handle(request, context):
+        if guarded and not gate.allows(_authorization(context)):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, kserve.error_text(
+                "UNAUTHENTICATED", "this gateway needs the metadata authorization: Bearer TOKEN, "
+                                   "with a token from its token_file"))
         if isinstance(request, _Unreadable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, kserve.error_text(
                 protocol.BAD_REQUEST, f"the message is not a valid {SERVICE} request: {request.problem}"))
@@ -211,12 +220,21 @@ def _refusing_unreadable(method):
     return handle
 
 
-def add_service(server: grpc.aio.Server, service: InferenceService) -> None:
+def _authorization(context) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else None
+    return None
+
+
+def add_service(server: grpc.aio.Server, service: InferenceService,
+                gate: access.Gatekeeper | None = None) -> None:
     """The generated ``add_GRPCInferenceServiceServicer_to_server``, but a request that does not
-    parse is answered INVALID_ARGUMENT by us instead of UNKNOWN by grpc."""
+    parse is answered INVALID_ARGUMENT by us instead of UNKNOWN by grpc, and a caller without a
+    token (when ``gate`` asks for one) UNAUTHENTICATED."""
     servicer = InferenceServicer(service)
     handlers = {name: grpc.unary_unary_rpc_method_handler(
-                    _refusing_unreadable(getattr(servicer, name)),
+                    _checked(getattr(servicer, name), name, gate),
                     request_deserializer=_tolerant(request.FromString),
                     response_serializer=response.SerializeToString)
                 for name, (request, response) in METHODS.items()}

@@ -8,6 +8,10 @@
     GET  /v2/models/{name}[/versions/{v}]/config  Triton's model configuration (its extension)
     POST /v2/models/{name}[/versions/{v}]/infer   JSON tensors, or the binary data extension
 
+With a token file (gateway/access.py), every path but the two health checks answers 401
+``{"error": "UNAUTHENTICATED: ..."}`` (and ``WWW-Authenticate: Bearer``) to a call without a
+valid ``Authorization: Bearer TOKEN``, before anything else is looked at.
+
 Errors are ``{"error": "CODE: message"}`` with the status of ``kserve.HTTP_STATUS``. A body is
 bounded before it is read: a Content-Length or an Inference-Header-Content-Length above
 ``max_message_bytes`` is refused at once (413 / 400), and a chunked body is cut off at the limit.
@@ -23,20 +27,22 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modelwarden.gateway import kserve
+from modelwarden.gateway import access, kserve
 from modelwarden.gateway.service import InferenceService, error_of
 from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
 
 logger = logging.getLogger(__name__)
 
 TOO_LARGE = 413
+UNAUTHORIZED = 401
 
 
 class BodyTooLarge(Exception):
     pass
 
 
-def make_app(service: InferenceService, max_body: int) -> Starlette:
+def make_app(service: InferenceService, max_body: int,
+             gate: access.Gatekeeper | None = None) -> Starlette:
     async def live(request: Request) -> Response:
         return JSONResponse({"live": True})
 
@@ -84,19 +90,34 @@ def make_app(service: InferenceService, max_body: int) -> Starlette:
             return error_response(exc)
 
     routes = [
-        Route("/v2/health/live", live, methods=["GET"]),
-        Route("/v2/health/ready", ready, methods=["GET"]),
-        Route("/v2", server_metadata, methods=["GET"]),
-        Route("/v2/models/{name}", model_metadata, methods=["GET"]),
-        Route("/v2/models/{name}/versions/{version}", model_metadata, methods=["GET"]),
-        Route("/v2/models/{name}/ready", model_ready, methods=["GET"]),
-        Route("/v2/models/{name}/versions/{version}/ready", model_ready, methods=["GET"]),
-        Route("/v2/models/{name}/config", model_config, methods=["GET"]),
-        Route("/v2/models/{name}/versions/{version}/config", model_config, methods=["GET"]),
-        Route("/v2/models/{name}/infer", infer, methods=["POST"]),
-        Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),
+        ("/v2/health/live", live, "GET"),
+        ("/v2/health/ready", ready, "GET"),
+        ("/v2", server_metadata, "GET"),
+        ("/v2/models/{name}", model_metadata, "GET"),
+        ("/v2/models/{name}/versions/{version}", model_metadata, "GET"),
+        ("/v2/models/{name}/ready", model_ready, "GET"),
+        ("/v2/models/{name}/versions/{version}/ready", model_ready, "GET"),
+        ("/v2/models/{name}/config", model_config, "GET"),
+        ("/v2/models/{name}/versions/{version}/config", model_config, "GET"),
+        ("/v2/models/{name}/infer", infer, "POST"),
+        ("/v2/models/{name}/versions/{version}/infer", infer, "POST"),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=[
+        Route(path, handler if gate is None or path in access.OPEN_PATHS else _guarded(handler, gate),
+              methods=[method]) for path, handler, method in routes])
+
+
+def _guarded(handler, gate: access.Gatekeeper):
+    async def answer_callers_with_a_token(request: Request) -> Response:
+        if not gate.allows(request.headers.get("authorization")):
+            body = json.dumps({"error": kserve.error_text(
+                "UNAUTHENTICATED", "this gateway needs Authorization: Bearer TOKEN, with a token "
+                                   "from its token_file")})
+            return Response(body, status_code=UNAUTHORIZED, media_type="application/json",
+                            headers={"WWW-Authenticate": access.CHALLENGE})
+        return await handler(request)
+
+    return answer_callers_with_a_token
 
 
 async def _infer(service: InferenceService, request: Request, name: str, version: str | None,

@@ -3,7 +3,12 @@
 Boot order:
   1. die with the parent (PR_SET_PDEATHSIG); ignore SIGINT (the supervisor decides when we stop)
   2. bind the configured listeners: REST (uvicorn + Starlette, gateway/http.py) and gRPC
-     (grpc.aio, gateway/grpc_service.py), both on one asyncio loop (a port in use: exit 3)
+     (grpc.aio, gateway/grpc_service.py), both on one asyncio loop (a port in use: exit 3).
+     A ``unix:PATH`` listener is made 0600 from its first moment (our umask), then 0660 and
+     owned by ``daemon.shm_group`` when that is set: the file system decides who may call, as
+     for the daemon's own frontend. It replaces only a stale socket, never a file or a socket
+     somebody still listens on, and is removed at exit.
+     With ``token_file``, every call but the health checks needs a token (gateway/access.py).
   3. tell the supervisor on the pipe it gave us, one JSON line: the addresses actually bound
      (``{"http": "127.0.0.1:8000", "grpc": null}``); it marks us READY (supervisor/gateway.py)
   4. serve until SIGTERM: stop accepting, finish what is in flight (a few seconds), exit 0
@@ -16,13 +21,17 @@ process's target and must not import uvicorn, grpc or torch to do so.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import os
 import signal
 import socket
+import stat
 import sys
+from pathlib import Path
 
-from modelwarden.shared.config import parse_host_port
+from modelwarden.shared.config import parse_host_port, unix_socket_path
 from modelwarden.shared.logs import setup_logging
 from modelwarden.shared.states import EXIT_BOOT_ERROR, EXIT_ORPHANED
 
@@ -40,6 +49,7 @@ def run(spec, pipe) -> None:
         sys.exit(EXIT_ORPHANED)
     setup_logging("gateway", spec.log_level, spec.log_format)
     _set_title(spec)
+    os.umask(0o177)  # the unix sockets we bind start 0600; we create no other file
     try:
         asyncio.run(_serve(spec, pipe))
     except OSError as exc:  # a listener could not bind
@@ -59,21 +69,71 @@ def _set_title(spec) -> None:
         pass
 
 
-def _listening_socket(address: str) -> socket.socket:
-    host, port = parse_host_port(address)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are
-    # TCP, and without it every response waits out the client's delayed ACK (40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT
+def _listening_socket(address: str, group: str | None) -> socket.socket:
+    path = unix_socket_path(address)
+    if path is not None:
+        _claim_unix_path(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        where = path
+    else:
+        host, port = parse_host_port(address)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say they are
+        # TCP, and without it every response waits out the client's delayed ACK (40 ms).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # restart over TIME_WAIT
+        where = (host, port)
     try:
-        sock.bind((host, port))
+        sock.bind(where)
+        if path is not None:
+            _restrict(path, group)
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot listen on {address} (http): {exc.strerror}") from None
+        raise OSError(exc.errno, f"cannot listen on {address} (http): {exc.strerror or exc}") from None
     sock.setblocking(False)
     return sock
+
+
+def _claim_unix_path(path: str) -> None:
+    """Bind only over a stale socket: never over another file, never over a live listener."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise OSError(errno.EEXIST, f"cannot listen on unix:{path}: something that is not a "
+                      "socket is there")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:  # nobody listens: a socket left by a process that died
+        os.unlink(path)
+        return
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot listen on unix:{path}: {exc.strerror}") from None
+    finally:
+        probe.close()
+    raise OSError(errno.EADDRINUSE, f"cannot listen on unix:{path}: another process listens there")
+
+
+def _restrict(path: str, group: str | None) -> None:
+    """Without a group the umask made it 0600; with one: owned by that group, then 0660."""
+    if not group:
+        return
+    from modelwarden.supervisor.runtime import DaemonError, restrict_socket
+
+    try:
+        restrict_socket(Path(path), group)
+    except DaemonError as exc:
+        raise OSError(errno.EPERM, str(exc)) from None
+
+
+def _remove_unix_sockets(spec) -> None:
+    for address in (spec.http, spec.grpc):
+        path = address and unix_socket_path(address)
+        if path and os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
 
 
 def _address(host: str, port: int) -> str:
@@ -91,12 +151,14 @@ async def _serve(spec, pipe) -> None:
     # Listeners first: a port in use fails the start in milliseconds, before torch is loaded.
     bound: dict[str, str | None] = {"http": None, "grpc": None}
     sock, grpc_server = None, None
+    gate = _gatekeeper(spec)
     if spec.http:
-        sock = _listening_socket(spec.http)
-        bound["http"] = _address(*sock.getsockname()[:2])
+        sock = _listening_socket(spec.http, spec.socket_group)
+        bound["http"] = (spec.http if sock.family == socket.AF_UNIX
+                         else _address(*sock.getsockname()[:2]))
     if spec.grpc:
         grpc_server = grpc_service.make_server(spec.max_message_bytes)
-        bound["grpc"] = _bind_grpc(grpc_server, spec.grpc)
+        bound["grpc"] = _bind_grpc(grpc_server, spec.grpc, spec.socket_group)
 
     from modelwarden.gateway.service import InferenceService  # imports torch
 
@@ -105,12 +167,12 @@ async def _serve(spec, pipe) -> None:
     try:
         if sock is not None:
             http_server = _uvicorn_server(uvicorn.Config(
-                make_app(service, spec.max_message_bytes), http=_http_protocol(), lifespan="off",
+                make_app(service, spec.max_message_bytes, gate), http=_http_protocol(), lifespan="off",
                 log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
             await _started(http_server, http_task)
         if grpc_server is not None:
-            grpc_service.add_service(grpc_server, service)
+            grpc_service.add_service(grpc_server, service, gate)
             await grpc_server.start()
         pipe.send_bytes(json.dumps(bound).encode())
         pipe.close()
@@ -126,17 +188,34 @@ async def _serve(spec, pipe) -> None:
         if grpc_server is not None:
             await grpc_server.stop(SHUTDOWN_GRACE_S)
         await service.close()
+        _remove_unix_sockets(spec)
 
 
-def _bind_grpc(server, address: str) -> str:
-    host, _ = parse_host_port(address)
+def _gatekeeper(spec):
+    if spec.token_file is None:
+        return None
+    from modelwarden.gateway.access import Gatekeeper, TokenFileError
+
+    try:
+        return Gatekeeper(Path(spec.token_file))
+    except TokenFileError as exc:  # it was fine when the daemon started: say what changed
+        raise OSError(errno.EACCES, str(exc)) from None
+
+
+def _bind_grpc(server, address: str, group: str | None) -> str:
+    path = unix_socket_path(address)
+    if path is not None:
+        _claim_unix_path(path)
     try:
         port = server.add_insecure_port(address)
     except RuntimeError as exc:  # recent grpcio raises; older ones return 0
         raise OSError(f"cannot listen on {address} (grpc): {exc}") from None
     if not port:
         raise OSError(f"cannot listen on {address} (grpc)")
-    return _address(host, port)
+    if path is not None:
+        _restrict(path, group)
+        return address
+    return _address(parse_host_port(address)[0], port)
 
 
 def _http_protocol() -> str:

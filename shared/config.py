@@ -311,8 +311,10 @@ def is_exposed_tcp(endpoint: str) -> bool:
 class GatewayConfig(_Strict):
     """``[gateway]``: the KServe v2 (Open Inference Protocol) gateway process (gateway/)."""
 
-    http: str | None = None  # "HOST:PORT" of the REST endpoint; absent: no REST
-    grpc: str | None = None  # "HOST:PORT" of inference.GRPCInferenceService; absent: no gRPC
+    # "HOST:PORT", or "unix:/ABSOLUTE/PATH" (a Unix socket, mode 0600 or 0660 for shm_group)
+    http: str | None = None  # the REST endpoint; absent: no REST
+    grpc: str | None = None  # inference.GRPCInferenceService; absent: no gRPC
+    token_file: Path | None = None  # bearer tokens the callers must present (gateway/access.py)
     allow_public: bool = False  # listen on a non-loopback address (see docs/OPERATIONS.md)
     max_message_bytes: int | None = Field(default=None, ge=1, description=(
         "largest request body or gRPC message; default: the daemon's max_message_bytes"))
@@ -325,21 +327,39 @@ class GatewayConfig(_Strict):
     @field_validator("http", "grpc")
     @classmethod
     def _address(cls, value: str | None) -> str | None:
-        if value is not None:
+        if value is not None and unix_socket_path(value) is None:
             parse_host_port(value)
         return value
 
     @model_validator(mode="after")
     def _exposure(self) -> "GatewayConfig":
-        # The gateway has no authentication: like metrics, loopback unless the operator says.
+        # Without a token anyone who reaches the port may call; like metrics, loopback (or a
+        # Unix socket, whose mode decides) unless the operator says otherwise.
         if not self.http and not self.grpc:
             raise ValueError("[gateway] needs http = \"HOST:PORT\" or grpc = \"HOST:PORT\" (or "
                              "remove the section)")
+        if self.http and self.http == self.grpc and not self.http.endswith(":0"):  # 0: any free port
+            raise ValueError(f"http and grpc are both {self.http!r}: give each its own address")
         for address in (self.http, self.grpc):
-            if address and not self.allow_public and not is_loopback(parse_host_port(address)[0]):
-                raise ValueError(f"{address!r} is reachable from other hosts and the gateway has "
-                                 "no authentication; use 127.0.0.1:PORT, or set allow_public = true")
+            if (address and unix_socket_path(address) is None and not self.allow_public
+                    and not is_loopback(parse_host_port(address)[0])):
+                raise ValueError(f"{address!r} is reachable from other hosts and the gateway has no "
+                                 "TLS; use 127.0.0.1:PORT or unix:PATH, or set allow_public = true "
+                                 "(behind your own TLS proxy, with token_file)")
         return self
+
+
+def unix_socket_path(address: str) -> str | None:
+    """The path of a ``unix:/ABSOLUTE/PATH`` listener address, None for ``HOST:PORT``."""
+    if address.startswith("unix-abstract:"):
+        raise ValueError(f"{address!r}: an abstract socket has no file mode, so anyone on the "
+                         "host could connect; use unix:/ABSOLUTE/PATH")
+    if not address.startswith("unix:"):
+        return None
+    path = address[len("unix:"):]
+    if not path.startswith("/") or "\0" in path or len(path.encode()) > 107:
+        raise ValueError(f"{address!r}: write unix:/ABSOLUTE/PATH (at most 107 bytes)")
+    return path
 
 
 class Settings(BaseSettings):

@@ -109,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="file name without extension (default: server); an existing key "
                              "of that name is never overwritten")
     keygen.set_defaults(func=cmd_keygen)
+
+    token_help = ("append a random bearer token to a gateway token_file (created mode 0600) and "
+                  "print it: give it to one caller; delete its line to revoke it")
+    token = commands.add_parser("token", help=token_help, description=token_help)
+    token.add_argument("file", metavar="FILE", help="the [gateway] token_file")
+    token.add_argument("--label", default=None,
+                       help="a comment written on the line above the token (who holds it)")
+    token.set_defaults(func=cmd_token)
     return parser
 
 
@@ -342,6 +350,39 @@ def cmd_keygen(args) -> int:
         os.umask(old_umask)
     print(f"public key: {public}\nsecret key: {secret} (mode 0600: give it to no one)")
     return 0
+
+
+def cmd_token(args) -> int:
+    import secrets
+
+    from modelwarden.gateway.access import TokenFileError, read_tokens
+
+    if args.label is not None and ("\n" in args.label or "\r" in args.label):
+        return _fail("--label: one line", EXIT_CONFIG)
+    value = secrets.token_urlsafe(32)  # 256 bits
+    lines = ([f"# {args.label}"] if args.label else []) + [value]
+    try:
+        fd = os.open(args.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "a") as file:
+            if file.tell() and not _ends_with_newline(args.file):
+                file.write("\n")
+            file.write("\n".join(lines) + "\n")
+    except OSError as exc:
+        return _fail(f"cannot write {args.file}: {exc.strerror or exc}", EXIT_RUNTIME)
+    try:
+        count = len(read_tokens(args.file))
+    except TokenFileError as exc:  # written, but the gateway would refuse the file: say why
+        return _fail(str(exc), EXIT_CONFIG)
+    print(value)
+    print(f"{args.file}: {count} token(s); a running gateway reads it again within a second",
+          file=sys.stderr)
+    return 0
+
+
+def _ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as file:
+        file.seek(-1, 2)
+        return file.read(1) == b"\n"
 
 
 def _read_inputs(paths: list[str]):

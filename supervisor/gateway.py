@@ -88,6 +88,8 @@ class GatewaySpec:
     grpc: str | None
     max_message_bytes: int
     supervisor_pid: int
+    token_file: str | None = None  # absolute; None: no token asked (gateway/access.py)
+    socket_group: str | None = None  # the group of unix: listeners (daemon.shm_group)
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -97,7 +99,9 @@ def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
     ipc = [endpoint for endpoint in settings.frontends if endpoint.startswith("ipc://")]
     return GatewaySpec(frontend=ipc[0], http=config.http, grpc=config.grpc,
                        max_message_bytes=config.max_message_bytes or settings.daemon.max_message_bytes,
-                       supervisor_pid=supervisor_pid, log_level=settings.daemon.log_level,
+                       supervisor_pid=supervisor_pid,
+                       token_file=str(settings.resolve(config.token_file)) if config.token_file else None,
+                       socket_group=settings.daemon.shm_group, log_level=settings.daemon.log_level,
                        log_format=settings.daemon.log_format)
 
 
@@ -273,6 +277,13 @@ def cannot_run(settings: Settings) -> str | None:
     if not any(endpoint.startswith("ipc://") for endpoint in settings.frontends):
         return ("[gateway] needs an ipc:// frontend to reach the daemon as a local client; "
                 "daemon.frontend lists only tcp endpoints: add ipc://RUNTIME_DIR/frontend.sock")
+    if settings.gateway.token_file is not None:
+        from modelwarden.gateway.access import TokenFileError, read_tokens
+
+        try:
+            read_tokens(settings.resolve(settings.gateway.token_file))
+        except TokenFileError as exc:
+            return f"[gateway] {exc}"
     return None
 
 

@@ -1,0 +1,158 @@
+"""Who may call the gateway: bearer tokens listed in a file (``[gateway] token_file``).
+
+The file holds one token per line; blank lines and lines starting with ``#`` are skipped. A
+token is at least ``MIN_TOKEN_CHARS`` printable characters without spaces (``modelwarden token
+FILE`` appends a random one). A caller presents one as ``Authorization: Bearer TOKEN`` over REST,
+or as the gRPC metadata ``authorization: Bearer TOKEN``. Only the health checks answer without
+one (``OPEN_PATHS``, ``OPEN_METHODS``): what Kubernetes probes and load balancers call, and all
+they learn is whether the server is live and ready.
+
+The file must be a regular file owned by the daemon's user or root, and neither writable by its
+group nor open to other users at all (0600, 0640, 0400, 0440): a file someone else can change
+can grant access, and one everybody can read has leaked.
+
+The file is the truth at every moment: the gateway looks at it (one ``stat``) at most once every
+``RECHECK_S`` and re-reads it when it changed, so tokens are added and revoked without a
+restart. A file that can no longer be read, whose mode or owner became wrong, or that holds no
+token allows nobody until it is fixed (logged at ERROR): a lost or leaked list must not keep
+opening the door.
+
+Tokens are kept as SHA-256 digests, and a presented token's digest is compared with every one of
+them by ``hmac.compare_digest``: how long a refusal takes says nothing about how close a guess
+was, nor which token it was near.
+
+Only the standard library here: the supervisor checks the file at start (``read_tokens``)
+without importing the gateway's libraries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+MIN_TOKEN_CHARS = 16
+RECHECK_S = 1.0  # at most one stat of the file per second, whatever the request rate
+REFUSALS_LOGGED_EVERY_S = 60.0
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
+CHALLENGE = 'Bearer realm="modelwarden"'  # the WWW-Authenticate of a REST 401
+
+
+class TokenFileError(ValueError):
+    """The token file cannot be used: why, and which file."""
+
+
+def read_tokens(path: Path) -> list[bytes]:
+    """The SHA-256 digests of the tokens in ``path``; TokenFileError says what is wrong."""
+    try:
+        with open(path, "rb") as file:
+            info = os.fstat(file.fileno())
+            _check_owner_and_mode(path, info)
+            text = file.read(1024 * 1024 + 1)
+    except OSError as exc:
+        raise TokenFileError(f"token_file {path}: {exc.strerror or exc}") from None
+    if len(text) > 1024 * 1024:
+        raise TokenFileError(f"token_file {path}: larger than 1 MiB")
+    digests = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith(b"#"):
+            continue
+        if len(line) < MIN_TOKEN_CHARS or not all(0x21 <= byte < 0x7F for byte in line):
+            raise TokenFileError(f"token_file {path}, line {number}: a token is at least "
+                                 f"{MIN_TOKEN_CHARS} printable ASCII characters without spaces "
+                                 "(modelwarden token FILE makes one)")
+        digests.append(hashlib.sha256(line).digest())
+    if not digests:
+        raise TokenFileError(f"token_file {path} holds no token (modelwarden token FILE adds one)")
+    return digests
+
+
+def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise TokenFileError(f"token_file {path} is not a regular file")
+    if info.st_uid not in (os.geteuid(), 0):
+        raise TokenFileError(f"token_file {path} is owned by uid {info.st_uid}: it must belong to "
+                             "the daemon's user or root, or whoever owns it can grant access")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o027:
+        raise TokenFileError(f"token_file {path} has mode {mode:04o}: other users may read it or "
+                             "its group may change it; chmod 600 (or 640)")
+
+
+def bearer_token(authorization: str | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer TOKEN`` value, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    try:
+        return token.strip().encode("ascii")
+    except UnicodeEncodeError:
+        return None
+
+
+class Gatekeeper:
+    """Answers "may this caller in?" from the token file as it is now (re-read when it changes)."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.clock = clock
+        self._signature = self._look()
+        self._digests = read_tokens(path)  # at start a bad file is the caller's error to report
+        self._checked_at = clock()
+        self._refused = 0
+        self._refusals_logged_at = clock() - REFUSALS_LOGGED_EVERY_S
+
+    def allows(self, authorization: str | None) -> bool:
+        self._refresh()
+        token = bearer_token(authorization)
+        allowed = False
+        if token is not None:
+            digest = hashlib.sha256(token).digest()
+            for known in self._digests:  # every one, whatever matched: constant work per call
+                allowed |= hmac.compare_digest(known, digest)
+        if not allowed:
+            self._count_refusal()
+        return allowed
+
+    def _look(self) -> tuple | None:
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return None
+        return info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size
+
+    def _refresh(self) -> None:
+        now = self.clock()
+        if now - self._checked_at < RECHECK_S:
+            return
+        self._checked_at = now
+        signature = self._look()  # ctime: a chmod or chown changes it too
+        if signature == self._signature:
+            return
+        self._signature = signature
+        try:
+            self._digests = read_tokens(self.path)
+        except TokenFileError as exc:
+            self._digests = []
+            logger.error("%s: the gateway allows nobody until it is fixed", exc)
+            return
+        logger.info("token_file %s re-read: %d token(s)", self.path, len(self._digests))
+
+    def _count_refusal(self) -> None:
+        self._refused += 1
+        now = self.clock()
+        if now - self._refusals_logged_at >= REFUSALS_LOGGED_EVERY_S:
+            logger.warning("gateway: %d call(s) refused without a valid token since the last "
+                           "such line", self._refused)
+            self._refused, self._refusals_logged_at = 0, now

@@ -1,0 +1,390 @@
+"""Who may call the KServe gateway: bearer tokens from ``token_file``, and ``unix:`` listeners
+whose file mode lets in only the clients' group (gateway/access.py, gateway/main.py).
+
+A gateway on 127.0.0.1 is reachable by every local user, where the daemon's own ipc frontend
+lets in only ``shm_group``: these are the two ways to close that door, tested with the real
+daemon, its real gateway process, tritonclient, raw HTTP, and real users made here."""
+
+from __future__ import annotations
+
+import grp
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_gateway import (MLP, gateway_daemon, gateway_row, grpcclient, httpclient, infer,
+                                mlp_requests)
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from modelwarden.gateway import access  # noqa: E402
+from tests.helpers import alive, mlp_model, poll_until, temporary_user  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = [mlp_model("mlp", workers=1, outputs=[{"name": "logits", "dtype": "float32", "shape": [-1, 10]}])]
+X = np.arange(128, dtype=np.float32).reshape(2, 64) / 100
+
+
+def expected() -> np.ndarray:
+    with torch.no_grad():
+        return MLP(torch.from_numpy(X)).numpy()
+
+
+def modelwarden_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "modelwarden.supervisor.cli", *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def new_token(path: Path, label: str | None = None) -> str:
+    done = modelwarden_cli("token", str(path), *(["--label", label] if label else []))
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def rest(address: str, method: str, path: str, token: str | None = None,
+         body: bytes | None = None) -> tuple[int, dict, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    connection = http.client.HTTPConnection(address, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"null"), dict(response.getheaders())
+    finally:
+        connection.close()
+
+
+def grpc_refusal(call) -> str | None:
+    """The status of a tritonclient gRPC call that fails (None when it succeeds)."""
+    try:
+        call()
+    except InferenceServerException as exc:
+        return exc.status()
+    return None
+
+
+def rest_infer(address: str, token: str | None) -> tuple[int, dict]:
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 64],
+                                   "data": X.reshape(-1).tolist()}]}).encode()
+    status, reply, _ = rest(address, "POST", "/v2/models/mlp/infer", token, body)
+    return status, reply
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "gateway.tokens"
+    new_token(path, label="the module's first caller")
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(token_file):
+    with gateway_daemon(MODELS, {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0",
+                                 "token_file": str(token_file)}) as instance:
+        instance.wait_ready()
+        gateway_row(instance)
+        yield instance
+
+
+def first_token(path: Path) -> str:
+    return next(line for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
+# -- tokens ---------------------------------------------------------------------------------------
+
+
+def test_the_token_cli_writes_a_private_file_the_gateway_accepts(tmp_path):
+    path = tmp_path / "tokens"
+    first, second = new_token(path, "alice"), new_token(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert path.read_text() == f"# alice\n{first}\n{second}\n"
+    assert first != second and len(first) >= 43  # 32 random bytes, base64
+    assert len(access.read_tokens(path)) == 2
+    assert modelwarden_cli("token", str(path), "--label", "a\nb").returncode != 0
+
+
+def test_without_a_token_only_the_health_checks_answer(daemon, token_file):
+    row = gateway_row(daemon)
+    before = mlp_requests(daemon)
+    assert rest(row["http"], "GET", "/v2/health/live")[:2] == (200, {"live": True})
+    assert rest(row["http"], "GET", "/v2/health/ready")[:2] == (200, {"ready": True})
+    for token in (None, "not-the-token-at-all-0123456789", first_token(token_file) + "x"):
+        for method, path in (("GET", "/v2"), ("GET", "/v2/models/mlp"), ("GET", "/v2/models/mlp/ready"),
+                             ("GET", "/v2/models/mlp/config"), ("GET", "/v2/models/nope")):
+            status, body, headers = rest(row["http"], method, path, token)
+            assert status == 401 and body["error"].startswith("UNAUTHENTICATED: "), (path, body)
+            assert headers["www-authenticate"] == access.CHALLENGE
+        status, body = rest_infer(row["http"], token)
+        assert status == 401, body
+
+        grpc = grpcclient.InferenceServerClient(row["grpc"])
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        assert grpc.is_server_live(headers=headers) and grpc.is_server_ready(headers=headers)
+        for call in (lambda: grpc.get_server_metadata(headers=headers),
+                     lambda: grpc.get_model_metadata("mlp", headers=headers),
+                     lambda: grpc.is_model_ready("mlp", headers=headers),
+                     lambda: grpc.get_model_config("mlp", headers=headers),
+                     lambda: infer(grpc, grpcclient, "mlp", {"x": X}, {"x": "FP32"}, headers=headers)):
+            assert grpc_refusal(call) == "StatusCode.UNAUTHENTICATED"
+        grpc.close()
+    assert mlp_requests(daemon) == before  # refused before anything reached the daemon
+    assert daemon.status()["gateway"]["restarts"] == 0
+
+
+def test_with_a_token_tritonclient_works_unchanged(daemon, token_file):
+    row = gateway_row(daemon)
+    token = first_token(token_file)
+    http_client = httpclient.InferenceServerClient(row["http"])
+    grpc_client = grpcclient.InferenceServerClient(row["grpc"])
+    try:
+        # Triton's clients carry any header a caller gives them; gRPC metadata is lowercase.
+        for client, module, key in ((http_client, httpclient, "Authorization"),
+                                    (grpc_client, grpcclient, "authorization")):
+            headers = {key: f"Bearer {token}"}
+            assert client.is_model_ready("mlp", headers=headers)
+            assert client.get_model_metadata("mlp", headers=headers)
+            result = infer(client, module, "mlp", {"x": X}, {"x": "FP32"}, headers=headers)
+            np.testing.assert_allclose(result.as_numpy("logits"), expected(), rtol=1e-5)
+    finally:
+        http_client.close()
+        grpc_client.close()
+    status, reply = rest_infer(row["http"], token)
+    assert status == 200, reply
+    np.testing.assert_allclose(np.array(reply["outputs"][0]["data"]).reshape(2, 10), expected(), rtol=1e-5)
+
+
+def test_tokens_are_added_and_revoked_without_a_restart(daemon, token_file):
+    row = gateway_row(daemon)
+    pid = row["pid"]
+    old = first_token(token_file)
+    added = new_token(token_file, "a second caller")
+    poll_until(lambda: rest_infer(row["http"], added)[0] == 200, 10, message="the added token accepted")
+
+    # Revoke the first: its line goes, the file is replaced (a new inode, as editors do).
+    text = "\n".join(line for line in token_file.read_text().splitlines() if line != old) + "\n"
+    replacement = token_file.with_suffix(".new")
+    replacement.write_text(text)
+    os.chmod(replacement, 0o600)
+    os.replace(replacement, token_file)
+    poll_until(lambda: rest_infer(row["http"], old)[0] == 401, 10, message="the revoked token refused")
+    assert rest_infer(row["http"], added)[0] == 200
+
+    # A file others may read has leaked: nobody is let in until it is private again.
+    os.chmod(token_file, 0o644)
+    try:
+        poll_until(lambda: rest_infer(row["http"], added)[0] == 401, 10,
+                   message="every token refused while the file is world-readable")
+        grpc = grpcclient.InferenceServerClient(row["grpc"])
+        assert grpc_refusal(lambda: grpc.get_model_metadata(
+            "mlp", headers={"authorization": f"Bearer {added}"})) == "StatusCode.UNAUTHENTICATED"
+        grpc.close()
+    finally:
+        os.chmod(token_file, 0o600)
+    poll_until(lambda: rest_infer(row["http"], added)[0] == 200, 10, message="the token accepted again")
+    assert gateway_row(daemon)["pid"] == pid  # all of it without a restart
+    assert "allows nobody until it is fixed" in daemon.log()
+
+    # Put the first token back for the other tests of the module.
+    with open(token_file, "a") as file:
+        file.write(old + "\n")
+    poll_until(lambda: rest_infer(row["http"], old)[0] == 200, 10, message="the first token back")
+
+
+@pytest.mark.parametrize("content,mode,problem", [
+    ("0123456789abcdef0123\n", 0o644, "other users may read it"),
+    ("0123456789abcdef0123\n", 0o620, "its group may change it"),
+    ("# nobody yet\n\n", 0o600, "holds no token"),
+    ("short\n", 0o600, "line 1: a token is at least 16"),
+])
+def test_a_token_file_that_cannot_be_trusted_stops_the_daemon_at_start(tmp_path, content, mode,
+                                                                         problem):
+    path = tmp_path / "tokens"
+    path.write_text(content)
+    os.chmod(path, mode)
+    with gateway_daemon([mlp_model("mlp", workers=1)], {"http": "127.0.0.1:0",
+                                                        "token_file": str(path)}) as instance:
+        code = instance.process.wait(60)
+        log = instance.log()
+    assert code == 1, log
+    assert f"[gateway] token_file {path}" in log and problem in log, log
+    assert "READY" not in log  # refused before any worker was spawned
+
+
+# -- the gatekeeper's clock and parsing (unit) -----------------------------------------------------
+
+
+def test_the_gatekeeper_looks_at_the_file_at_most_once_a_second(tmp_path):
+    path = tmp_path / "tokens"
+    path.write_text("a" * 16 + "\n")
+    os.chmod(path, 0o600)
+    now = [100.0]
+    gate = access.Gatekeeper(path, clock=lambda: now[0])
+    assert gate.allows("Bearer " + "a" * 16) and gate.allows("bearer  " + "a" * 16 + " ")
+    for wrong in (None, "", "a" * 16, "Basic " + "a" * 16, "Bearer", "Bearer " + "a" * 15, "Bearer é"):
+        assert not gate.allows(wrong), wrong
+    path.write_text("b" * 16 + "\n")
+    os.chmod(path, 0o600)
+    now[0] += access.RECHECK_S / 2
+    assert gate.allows("Bearer " + "a" * 16)  # not looked at yet
+    now[0] += access.RECHECK_S / 2
+    assert gate.allows("Bearer " + "b" * 16) and not gate.allows("Bearer " + "a" * 16)
+    path.unlink()
+    now[0] += access.RECHECK_S
+    assert not gate.allows("Bearer " + "b" * 16)  # a lost file allows nobody
+
+
+# -- unix sockets: the file system decides -------------------------------------------------------
+
+
+def _python_for_others() -> str:
+    from tests.test_privsep import _python_for_others as find
+
+    return find()
+
+
+# Run as another user: connect to the REST socket and ask for readiness, then to the gRPC one.
+KNOCK = r"""
+import json, socket, sys
+found = {}
+for kind, name in zip(("http", "grpc"), sys.argv[1:]):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(name)
+        found[kind] = "connected"
+        if kind == "http":
+            sock.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+            found[kind] = sock.recv(64).split(b"\r\n")[0].decode()
+    except OSError as exc:
+        found[kind] = type(exc).__name__
+    finally:
+        sock.close()
+print(json.dumps(found))
+"""
+
+
+def _knock(user: str, group: str, http_path: Path, grpc_path: Path) -> dict:
+    done = subprocess.run(["setpriv", "--reuid", user, "--regid", group, "--init-groups",
+                           _python_for_others(), "-I", "-S", "-c", KNOCK, str(http_path),
+                           str(grpc_path)],
+                          capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def _unix_get(path: Path, target: str) -> tuple[int, dict]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(str(path))
+    connection = http.client.HTTPConnection("gateway", timeout=30)
+    connection.sock = sock
+    try:
+        connection.request("GET", target)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="creates users and a group: needs root")
+@pytest.mark.skipif(shutil.which("setpriv") is None or shutil.which("useradd") is None,
+                    reason="needs setpriv and useradd")
+def test_unix_socket_listeners_let_in_the_clients_group_and_nobody_else():
+    with temporary_user("mwm") as (member, clients), temporary_user("mwo") as (outsider, others):
+        # A directory anyone may enter: the sockets' own modes decide.
+        sockets = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp")) / "gw"
+        sockets.mkdir()
+        os.chmod(sockets.parent, 0o755)
+        os.chmod(sockets, 0o755)
+        http_path, grpc_path = sockets / "http.sock", sockets / "grpc.sock"
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(grpc_path))  # bound, never listening: a socket left by a dead gateway
+        stale.close()
+        try:
+            with gateway_daemon(MODELS, {"http": f"unix:{http_path}", "grpc": f"unix:{grpc_path}"},
+                                shm_group=clients) as daemon:
+                daemon.wait_ready()
+                row = gateway_row(daemon)
+                assert (row["http"], row["grpc"]) == (f"unix:{http_path}", f"unix:{grpc_path}")
+                gid = grp.getgrnam(clients).gr_gid
+                for path in (http_path, grpc_path):
+                    info = os.lstat(path)
+                    assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o660, path
+                    assert info.st_gid == gid, path
+
+                assert _knock(member, clients, http_path, grpc_path) == {
+                    "http": "HTTP/1.1 200 OK", "grpc": "connected"}
+                assert _knock(outsider, others, http_path, grpc_path) == {
+                    "http": "PermissionError", "grpc": "PermissionError"}
+
+                # The daemon's user serves over both, with Triton's gRPC client unchanged.
+                assert _unix_get(http_path, "/v2/models/mlp")[0] == 200
+                client = grpcclient.InferenceServerClient(f"unix:{grpc_path}")
+                result = infer(client, grpcclient, "mlp", {"x": X}, {"x": "FP32"})
+                np.testing.assert_allclose(result.as_numpy("logits"), expected(), rtol=1e-5)
+                client.close()
+
+                # Killed, the gateway leaves its sockets behind; the next one replaces them.
+                pid = row["pid"]
+                os.kill(pid, signal.SIGKILL)
+                poll_until(lambda: not alive(pid), 10, message="the gateway gone")
+                gateway_row(daemon, pid_not=pid)
+                assert _unix_get(http_path, "/v2/health/ready") == (200, {"ready": True})
+                assert stat.S_IMODE(os.lstat(http_path).st_mode) == 0o660
+            assert not http_path.exists() and not grpc_path.exists()  # removed at a clean stop
+        finally:
+            shutil.rmtree(sockets.parent, ignore_errors=True)
+
+
+def test_a_unix_listener_is_private_and_never_replaces_a_file_or_a_live_socket():
+    directory = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp")) / "gw"
+    directory.mkdir()
+    squatted, live, fresh = directory / "file.sock", directory / "live.sock", directory / "new.sock"
+    squatted.write_text("not a socket\n")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(live))
+    listener.listen(1)
+    try:
+        for address, problem in ((f"unix:{squatted}", "something that is not a socket is there"),
+                                 (f"unix:{live}", "another process listens there")):
+            with gateway_daemon(MODELS, {"http": address}) as daemon:
+                daemon.wait_ready()
+                poll_until(lambda: problem in daemon.log(), 60, message=problem)
+                assert daemon.status()["gateway"]["state"] != "READY"
+            assert squatted.read_text() == "not a socket\n"
+        assert stat.S_ISSOCK(os.lstat(live).st_mode)  # still there, still the listener's
+        # No shm_group: the daemon's user alone, from the moment it is bound.
+        fresh_grpc = directory / "new-grpc.sock"
+        with gateway_daemon(MODELS, {"http": f"unix:{fresh}", "grpc": f"unix:{fresh_grpc}"}) as daemon:
+            daemon.wait_ready()
+            gateway_row(daemon)
+            assert [stat.S_IMODE(os.lstat(path).st_mode) for path in (fresh, fresh_grpc)] == [0o600] * 2
+            assert _unix_get(fresh, "/v2/health/live") == (200, {"live": True})
+    finally:
+        listener.close()
+        shutil.rmtree(directory.parent, ignore_errors=True)
+
+
+def test_a_unix_listener_address_is_checked_in_the_configuration():
+    from modelwarden.shared.config import GatewayConfig
+
+    assert GatewayConfig(http="unix:/run/mw/gw.sock").http == "unix:/run/mw/gw.sock"
+    assert GatewayConfig(grpc="unix:/run/mw/gw.sock", http="0.0.0.0:8000", allow_public=True)
+    for bad, why in (("unix:relative.sock", "unix:/ABSOLUTE/PATH"),
+                     ("unix-abstract:gw", "an abstract socket has no file mode"),
+                     ("unix:/" + "x" * 120, "at most 107 bytes")):
+        with pytest.raises(ValueError, match=why):
+            GatewayConfig(http=bad)
+    with pytest.raises(ValueError, match="give each its own address"):
+        GatewayConfig(http="unix:/run/gw.sock", grpc="unix:/run/gw.sock")
+    with pytest.raises(ValueError, match="reachable from other hosts"):
+        GatewayConfig(http="0.0.0.0:8000")
