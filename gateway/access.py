@@ -21,8 +21,10 @@ Tokens are kept as SHA-256 digests, and a presented token's digest is compared w
 them by ``hmac.compare_digest``: how long a refusal takes says nothing about how close a guess
 was, nor which token it was near.
 
-Only the standard library here: the supervisor checks the file at start (``read_tokens``)
-without importing the gateway's libraries.
+``check_tls`` holds the TLS key to the same rules and checks that it matches its certificate.
+
+Only the standard library here: the supervisor checks the files at start (``read_tokens``,
+``check_tls``) without importing the gateway's libraries.
 """
 
 from __future__ import annotations
@@ -46,46 +48,65 @@ OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 CHALLENGE = 'Bearer realm="modelwarden"'  # the WWW-Authenticate of a REST 401
 
 
-class TokenFileError(ValueError):
-    """The token file cannot be used: why, and which file."""
+class SecretFileError(ValueError):
+    """The token file (or the TLS key) cannot be used: why, and which file."""
 
 
 def read_tokens(path: Path) -> list[bytes]:
-    """The SHA-256 digests of the tokens in ``path``; TokenFileError says what is wrong."""
+    """The SHA-256 digests of the tokens in ``path``; SecretFileError says what is wrong."""
     try:
         with open(path, "rb") as file:
             info = os.fstat(file.fileno())
             _check_owner_and_mode(path, info)
             text = file.read(1024 * 1024 + 1)
     except OSError as exc:
-        raise TokenFileError(f"token_file {path}: {exc.strerror or exc}") from None
+        raise SecretFileError(f"token_file {path}: {exc.strerror or exc}") from None
     if len(text) > 1024 * 1024:
-        raise TokenFileError(f"token_file {path}: larger than 1 MiB")
+        raise SecretFileError(f"token_file {path}: larger than 1 MiB")
     digests = []
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith(b"#"):
             continue
         if len(line) < MIN_TOKEN_CHARS or not all(0x21 <= byte < 0x7F for byte in line):
-            raise TokenFileError(f"token_file {path}, line {number}: a token is at least "
+            raise SecretFileError(f"token_file {path}, line {number}: a token is at least "
                                  f"{MIN_TOKEN_CHARS} printable ASCII characters without spaces "
                                  "(modelwarden token FILE makes one)")
         digests.append(hashlib.sha256(line).digest())
     if not digests:
-        raise TokenFileError(f"token_file {path} holds no token (modelwarden token FILE adds one)")
+        raise SecretFileError(f"token_file {path} holds no token (modelwarden token FILE adds one)")
     return digests
 
 
 def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
     if not stat.S_ISREG(info.st_mode):
-        raise TokenFileError(f"token_file {path} is not a regular file")
+        raise SecretFileError(f"token_file {path} is not a regular file")
     if info.st_uid not in (os.geteuid(), 0):
-        raise TokenFileError(f"token_file {path} is owned by uid {info.st_uid}: it must belong to "
+        raise SecretFileError(f"token_file {path} is owned by uid {info.st_uid}: it must belong to "
                              "the daemon's user or root, or whoever owns it can grant access")
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o027:
-        raise TokenFileError(f"token_file {path} has mode {mode:04o}: other users may read it or "
+        raise SecretFileError(f"token_file {path} has mode {mode:04o}: other users may read it or "
                              "its group may change it; chmod 600 (or 640)")
+
+
+def check_tls(cert: Path, key: Path) -> None:
+    """The certificate chain and its key load and belong together; the key is kept private."""
+    import ssl
+
+    try:
+        with open(key, "rb") as file:
+            info = os.fstat(file.fileno())
+    except OSError as exc:
+        raise SecretFileError(f"tls_key {key}: {exc.strerror or exc}") from None
+    try:
+        _check_owner_and_mode(key, info)
+    except SecretFileError as exc:
+        raise SecretFileError(str(exc).replace("token_file", "tls_key", 1)) from None
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except OSError as exc:  # ssl.SSLError is one: a bad PEM, or a key of another certificate
+        raise SecretFileError(f"tls_cert {cert} with tls_key {key}: {exc.strerror or exc}") from None
 
 
 def bearer_token(authorization: str | None) -> bytes | None:
@@ -143,7 +164,7 @@ class Gatekeeper:
         self._signature = signature
         try:
             self._digests = read_tokens(self.path)
-        except TokenFileError as exc:
+        except SecretFileError as exc:
             self._digests = []
             logger.error("%s: the gateway allows nobody until it is fixed", exc)
             return

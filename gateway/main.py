@@ -8,7 +8,9 @@ Boot order:
      owned by ``daemon.shm_group`` when that is set: the file system decides who may call, as
      for the daemon's own frontend. It replaces only a stale socket, never a file or a socket
      somebody still listens on, and is removed at exit.
-     With ``token_file``, every call but the health checks needs a token (gateway/access.py).
+     With ``token_file``, every call but the health checks needs a token (gateway/access.py);
+     with ``tls_cert`` and ``tls_key``, both listeners speak TLS (read at each start: a new
+     certificate takes effect when this process is started again).
   3. tell the supervisor on the pipe it gave us, one JSON line: the addresses actually bound
      (``{"http": "127.0.0.1:8000", "grpc": null}``); it marks us READY (supervisor/gateway.py)
   4. serve until SIGTERM: stop accepting, finish what is in flight (a few seconds), exit 0
@@ -158,7 +160,8 @@ async def _serve(spec, pipe) -> None:
                          else _address(*sock.getsockname()[:2]))
     if spec.grpc:
         grpc_server = grpc_service.make_server(spec.max_message_bytes)
-        bound["grpc"] = _bind_grpc(grpc_server, spec.grpc, spec.socket_group)
+        bound["grpc"] = _bind_grpc(grpc_server, spec.grpc, spec.socket_group,
+                                   _grpc_credentials(spec))
 
     from modelwarden.gateway.service import InferenceService  # imports torch
 
@@ -168,7 +171,8 @@ async def _serve(spec, pipe) -> None:
         if sock is not None:
             http_server = _uvicorn_server(uvicorn.Config(
                 make_app(service, spec.max_message_bytes, gate), http=_http_protocol(), lifespan="off",
-                log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+                log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+                ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key))
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
             await _started(http_server, http_task)
         if grpc_server is not None:
@@ -176,8 +180,9 @@ async def _serve(spec, pipe) -> None:
             await grpc_server.start()
         pipe.send_bytes(json.dumps(bound).encode())
         pipe.close()
-        logger.info("gateway serving: %s", ", ".join(f"{kind} {address}" for kind, address in
-                                                     bound.items() if address))
+        logger.info("gateway serving: %s%s", ", ".join(f"{kind} {address}" for kind, address in
+                                                       bound.items() if address),
+                    " (TLS)" if spec.tls_cert else "")
         waiters = [asyncio.create_task(stop.wait())] + ([http_task] if http_task else [])
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         logger.info("gateway stopping")
@@ -194,20 +199,30 @@ async def _serve(spec, pipe) -> None:
 def _gatekeeper(spec):
     if spec.token_file is None:
         return None
-    from modelwarden.gateway.access import Gatekeeper, TokenFileError
+    from modelwarden.gateway.access import Gatekeeper, SecretFileError
 
     try:
         return Gatekeeper(Path(spec.token_file))
-    except TokenFileError as exc:  # it was fine when the daemon started: say what changed
+    except SecretFileError as exc:  # it was fine when the daemon started: say what changed
         raise OSError(errno.EACCES, str(exc)) from None
 
 
-def _bind_grpc(server, address: str, group: str | None) -> str:
+def _grpc_credentials(spec):
+    if spec.tls_cert is None:
+        return None
+    import grpc
+
+    with open(spec.tls_key, "rb") as key, open(spec.tls_cert, "rb") as chain:
+        return grpc.ssl_server_credentials([(key.read(), chain.read())])
+
+
+def _bind_grpc(server, address: str, group: str | None, credentials) -> str:
     path = unix_socket_path(address)
     if path is not None:
         _claim_unix_path(path)
     try:
-        port = server.add_insecure_port(address)
+        port = (server.add_insecure_port(address) if credentials is None
+                else server.add_secure_port(address, credentials))
     except RuntimeError as exc:  # recent grpcio raises; older ones return 0
         raise OSError(f"cannot listen on {address} (grpc): {exc}") from None
     if not port:

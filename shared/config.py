@@ -315,7 +315,9 @@ class GatewayConfig(_Strict):
     http: str | None = None  # the REST endpoint; absent: no REST
     grpc: str | None = None  # inference.GRPCInferenceService; absent: no gRPC
     token_file: Path | None = None  # bearer tokens the callers must present (gateway/access.py)
-    allow_public: bool = False  # listen on a non-loopback address (see docs/OPERATIONS.md)
+    tls_cert: Path | None = None  # PEM certificate chain: both listeners speak TLS
+    tls_key: Path | None = None  # its PEM private key (mode 0600 or 0640)
+    allow_public: bool = False  # a non-loopback address without TLS and tokens (docs/OPERATIONS.md)
     max_message_bytes: int | None = Field(default=None, ge=1, description=(
         "largest request body or gRPC message; default: the daemon's max_message_bytes"))
 
@@ -340,12 +342,15 @@ class GatewayConfig(_Strict):
                              "remove the section)")
         if self.http and self.http == self.grpc and not self.http.endswith(":0"):  # 0: any free port
             raise ValueError(f"http and grpc are both {self.http!r}: give each its own address")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together: set both, or neither")
+        guarded = self.tls_cert is not None and self.token_file is not None
         for address in (self.http, self.grpc):
-            if (address and unix_socket_path(address) is None and not self.allow_public
+            if (address and unix_socket_path(address) is None and not (self.allow_public or guarded)
                     and not is_loopback(parse_host_port(address)[0])):
-                raise ValueError(f"{address!r} is reachable from other hosts and the gateway has no "
-                                 "TLS; use 127.0.0.1:PORT or unix:PATH, or set allow_public = true "
-                                 "(behind your own TLS proxy, with token_file)")
+                raise ValueError(f"{address!r} is reachable from other hosts: set tls_cert, tls_key "
+                                 "and token_file, or use 127.0.0.1:PORT or unix:PATH, or set "
+                                 "allow_public = true (behind your own TLS proxy)")
         return self
 
 

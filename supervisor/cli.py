@@ -355,7 +355,7 @@ def cmd_keygen(args) -> int:
 def cmd_token(args) -> int:
     import secrets
 
-    from modelwarden.gateway.access import TokenFileError, read_tokens
+    from modelwarden.gateway.access import SecretFileError, read_tokens
 
     if args.label is not None and ("\n" in args.label or "\r" in args.label):
         return _fail("--label: one line", EXIT_CONFIG)
@@ -371,7 +371,7 @@ def cmd_token(args) -> int:
         return _fail(f"cannot write {args.file}: {exc.strerror or exc}", EXIT_RUNTIME)
     try:
         count = len(read_tokens(args.file))
-    except TokenFileError as exc:  # written, but the gateway would refuse the file: say why
+    except SecretFileError as exc:  # written, but the gateway would refuse the file: say why
         return _fail(str(exc), EXIT_CONFIG)
     print(value)
     print(f"{args.file}: {count} token(s); a running gateway reads it again within a second",

@@ -90,6 +90,8 @@ class GatewaySpec:
     supervisor_pid: int
     token_file: str | None = None  # absolute; None: no token asked (gateway/access.py)
     socket_group: str | None = None  # the group of unix: listeners (daemon.shm_group)
+    tls_cert: str | None = None  # absolute; both or neither (TLS on both listeners)
+    tls_key: str | None = None
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -101,7 +103,10 @@ def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
                        max_message_bytes=config.max_message_bytes or settings.daemon.max_message_bytes,
                        supervisor_pid=supervisor_pid,
                        token_file=str(settings.resolve(config.token_file)) if config.token_file else None,
-                       socket_group=settings.daemon.shm_group, log_level=settings.daemon.log_level,
+                       socket_group=settings.daemon.shm_group,
+                       tls_cert=str(settings.resolve(config.tls_cert)) if config.tls_cert else None,
+                       tls_key=str(settings.resolve(config.tls_key)) if config.tls_key else None,
+                       log_level=settings.daemon.log_level,
                        log_format=settings.daemon.log_format)
 
 
@@ -277,13 +282,16 @@ def cannot_run(settings: Settings) -> str | None:
     if not any(endpoint.startswith("ipc://") for endpoint in settings.frontends):
         return ("[gateway] needs an ipc:// frontend to reach the daemon as a local client; "
                 "daemon.frontend lists only tcp endpoints: add ipc://RUNTIME_DIR/frontend.sock")
-    if settings.gateway.token_file is not None:
-        from modelwarden.gateway.access import TokenFileError, read_tokens
+    config = settings.gateway
+    from modelwarden.gateway.access import SecretFileError, check_tls, read_tokens
 
-        try:
-            read_tokens(settings.resolve(settings.gateway.token_file))
-        except TokenFileError as exc:
-            return f"[gateway] {exc}"
+    try:
+        if config.token_file is not None:
+            read_tokens(settings.resolve(config.token_file))
+        if config.tls_cert is not None:
+            check_tls(settings.resolve(config.tls_cert), settings.resolve(config.tls_key))
+    except SecretFileError as exc:
+        return f"[gateway] {exc}"
     return None
 
 

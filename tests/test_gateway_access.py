@@ -388,3 +388,88 @@ def test_a_unix_listener_address_is_checked_in_the_configuration():
         GatewayConfig(http="unix:/run/gw.sock", grpc="unix:/run/gw.sock")
     with pytest.raises(ValueError, match="reachable from other hosts"):
         GatewayConfig(http="0.0.0.0:8000")
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+
+
+def self_signed(directory: Path, name: str = "gateway") -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, and its key (0600), made by openssl."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:prime256v1", "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    os.chmod(key, 0o600)
+    return cert, key
+
+
+def test_tls_carries_tritonclient_and_plaintext_gets_nothing(tmp_path, token_file):
+    import ssl
+
+    cert, key = self_signed(tmp_path)
+    token = first_token(token_file)
+    with gateway_daemon(MODELS, {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "tls_cert": str(cert),
+                                 "tls_key": str(key), "token_file": str(token_file)}) as daemon:
+        daemon.wait_ready()
+        row = gateway_row(daemon)
+        host, port = row["http"].rsplit(":", 1)
+
+        # The REST port speaks TLS with our certificate, and carries Triton's client.
+        context = ssl.create_default_context(cafile=str(cert))
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            with context.wrap_socket(raw, server_hostname="localhost") as tls:
+                assert dict(item[0] for item in tls.getpeercert()["subject"])["commonName"] == "localhost"
+        client = httpclient.InferenceServerClient(row["http"], ssl=True,
+                                                  ssl_options={"ca_certs": str(cert)})
+        result = infer(client, httpclient, "mlp", {"x": X}, {"x": "FP32"},
+                       headers={"Authorization": f"Bearer {token}"})
+        np.testing.assert_allclose(result.as_numpy("logits"), expected(), rtol=1e-5)
+        client.close()
+        grpc_client = grpcclient.InferenceServerClient(row["grpc"], ssl=True,
+                                                       root_certificates=str(cert))
+        result = infer(grpc_client, grpcclient, "mlp", {"x": X}, {"x": "FP32"},
+                       headers={"authorization": f"Bearer {token}"})
+        np.testing.assert_allclose(result.as_numpy("logits"), expected(), rtol=1e-5)
+        grpc_client.close()
+
+        # Plaintext gets no answer on either port; the gateway serves on.
+        with pytest.raises((http.client.HTTPException, OSError)):
+            rest(row["http"], "GET", "/v2/health/live")
+        plain = grpcclient.InferenceServerClient(row["grpc"])
+        assert grpc_refusal(lambda: plain.is_server_live()) == "StatusCode.UNAVAILABLE"
+        plain.close()
+        assert daemon.status()["gateway"]["restarts"] == 0
+        assert "(TLS)" in daemon.log()
+
+
+@pytest.mark.parametrize("problem", ["key readable by others", "key of another certificate"])
+def test_a_tls_key_that_cannot_be_trusted_or_used_stops_the_daemon_at_start(tmp_path, problem):
+    cert, key = self_signed(tmp_path)
+    if problem == "key readable by others":
+        os.chmod(key, 0o644)
+        expected_text = f"[gateway] tls_key {key} has mode 0644"
+    else:
+        _, key = self_signed(tmp_path, "other")
+        expected_text = f"[gateway] tls_cert {cert} with tls_key {key}"
+    with gateway_daemon([mlp_model("mlp", workers=1)], {"http": "127.0.0.1:0", "tls_cert": str(cert),
+                                                        "tls_key": str(key)}) as instance:
+        code = instance.process.wait(60)
+        log = instance.log()
+    assert code == 1 and expected_text in log, log
+    assert "READY" not in log
+
+
+def test_a_public_address_needs_tls_and_tokens_or_an_explicit_choice(tmp_path):
+    from modelwarden.shared.config import GatewayConfig
+
+    files = {"tls_cert": tmp_path / "c", "tls_key": tmp_path / "k", "token_file": tmp_path / "t"}
+    assert GatewayConfig(http="0.0.0.0:8000", grpc="[::]:8001", **files)
+    for missing in files:
+        partial = {key: value for key, value in files.items() if key != missing}
+        with pytest.raises(ValueError, match="go together" if missing.startswith("tls") else
+                           "reachable from other hosts"):
+            GatewayConfig(http="0.0.0.0:8000", **partial)
+    assert GatewayConfig(http="0.0.0.0:8000", allow_public=True)
