@@ -162,11 +162,16 @@ def encode_response(request, version: str, outputs: list) -> "pb.ModelInferRespo
     return response
 
 
-def make_server(max_message_bytes: int) -> grpc.aio.Server:
-    """A server with no service yet: its port can be bound (and fail) before anything else."""
+def make_server(max_message_bytes: int, max_connections: int, read_timeout: float) -> grpc.aio.Server:
+    """A server with no service yet: its port can be bound (and fail) before anything else.
+    Connections past ``max_connections`` are closed as they come, and one that has not finished
+    its handshake (TLS, HTTP/2 preface) within ``read_timeout`` is closed: a peer cannot hold
+    file descriptors by connecting and saying nothing."""
     return grpc.aio.server(options=[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", max(1, int(read_timeout * 1000))),
         # One gateway per port: a second process must fail to bind, not share the port.
         ("grpc.so_reuseport", 0),
     ])

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 TOO_LARGE = 413
 UNAUTHORIZED = 401
+REFUSALS_LOGGED_EVERY_S = 60.0
 
 
 class BodyTooLarge(Exception):
@@ -148,6 +149,69 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise BodyTooLarge()
         chunks.append(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def guarded_protocol(max_connections: int, read_timeout: float):
+    """uvicorn's httptools protocol, bounded: a connection past ``max_connections`` is closed as
+    soon as it is made, and one whose request (headers and body) has not wholly arrived within
+    ``read_timeout`` of its start or of its previous response is closed.
+
+    uvicorn alone waits for ever on a connection that sends nothing or trickles its headers a
+    byte at a time: every such connection holds a file descriptor, and enough of them (from any
+    local user, or any peer of a public gateway) leave none for real callers."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        refused = 0
+        refusals_logged_at = float("-inf")
+        read_deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                self._refuse()
+                return
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def on_message_complete(self) -> None:
+            self._disarm()  # the whole request is in: the model's time is not counted
+            super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request on this connection gets its own read_timeout
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.read_deadline = self.loop.call_later(read_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self.read_deadline is not None:
+                self.read_deadline.cancel()
+                self.read_deadline = None
+
+        def _too_slow(self) -> None:
+            self.read_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def _refuse(self) -> None:
+            self.transport.close()
+            cls = GuardedHttpToolsProtocol
+            cls.refused += 1
+            now = self.loop.time()
+            if now - cls.refusals_logged_at >= REFUSALS_LOGGED_EVERY_S:
+                logger.warning("gateway: %d HTTP connection(s) closed at once: %d open, "
+                               "max_connections %d", cls.refused, len(self.connections) - 1,
+                               max_connections)
+                cls.refused, cls.refusals_logged_at = 0, now
+
+    return GuardedHttpToolsProtocol
 
 
 def error_response(exc: BaseException, status: int | None = None) -> Response:

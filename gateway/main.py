@@ -52,6 +52,9 @@ def run(spec, pipe) -> None:
     setup_logging("gateway", spec.log_level, spec.log_format)
     _set_title(spec)
     os.umask(0o177)  # the unix sockets we bind start 0600; we create no other file
+    # grpc's core logs each failed TLS handshake at INFO on stderr, whoever sends it: a peer
+    # could fill the journal. Its errors still reach the log.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     try:
         asyncio.run(_serve(spec, pipe))
     except OSError as exc:  # a listener could not bind
@@ -146,7 +149,7 @@ async def _serve(spec, pipe) -> None:
     import uvicorn
 
     from modelwarden.gateway import grpc_service
-    from modelwarden.gateway.http import make_app
+    from modelwarden.gateway.http import guarded_protocol, make_app
 
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -159,7 +162,8 @@ async def _serve(spec, pipe) -> None:
         bound["http"] = (spec.http if sock.family == socket.AF_UNIX
                          else _address(*sock.getsockname()[:2]))
     if spec.grpc:
-        grpc_server = grpc_service.make_server(spec.max_message_bytes)
+        grpc_server = grpc_service.make_server(spec.max_message_bytes, spec.max_connections,
+                                               spec.read_timeout)
         bound["grpc"] = _bind_grpc(grpc_server, spec.grpc, spec.socket_group,
                                    _grpc_credentials(spec))
 
@@ -170,7 +174,8 @@ async def _serve(spec, pipe) -> None:
     try:
         if sock is not None:
             http_server = _uvicorn_server(uvicorn.Config(
-                make_app(service, spec.max_message_bytes, gate), http=_http_protocol(), lifespan="off",
+                make_app(service, spec.max_message_bytes, gate),
+                http=guarded_protocol(spec.max_connections, spec.read_timeout), lifespan="off",
                 log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                 ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key))
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
@@ -231,13 +236,6 @@ def _bind_grpc(server, address: str, group: str | None, credentials) -> str:
         _restrict(path, group)
         return address
     return _address(parse_host_port(address)[0], port)
-
-
-def _http_protocol() -> str:
-    """httptools (the faster parser) when it is installed, else h11."""
-    import importlib.util
-
-    return "httptools" if importlib.util.find_spec("httptools") else "h11"
 
 
 async def _started(server, task: asyncio.Task) -> None:

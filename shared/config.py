@@ -320,6 +320,10 @@ class GatewayConfig(_Strict):
     allow_public: bool = False  # a non-loopback address without TLS and tokens (docs/OPERATIONS.md)
     max_message_bytes: int | None = Field(default=None, ge=1, description=(
         "largest request body or gRPC message; default: the daemon's max_message_bytes"))
+    max_connections: int = Field(default=4096, ge=1, description=(
+        "open connections per listener; more are closed as soon as they are accepted"))
+    read_timeout: float = Field(default=30.0, gt=0, description=(
+        "seconds for a whole request (headers and body) to arrive, and for a gRPC handshake"))
 
     @field_validator("max_message_bytes", mode="before")
     @classmethod

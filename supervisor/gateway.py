@@ -46,7 +46,7 @@ GOOD_RUN_S = 10.0
 BACKOFF_INITIAL_S = 0.5
 BACKOFF_MAX_S = 30.0
 KILL_GRACE_S = 5.0
-REQUIRED_MODULES = ("uvicorn", "starlette", "grpc", "google.protobuf")
+REQUIRED_MODULES = ("uvicorn", "httptools", "starlette", "grpc", "google.protobuf")
 
 
 class GatewayState(str, enum.Enum):
@@ -88,6 +88,8 @@ class GatewaySpec:
     grpc: str | None
     max_message_bytes: int
     supervisor_pid: int
+    max_connections: int = 4096  # per listener
+    read_timeout: float = 30.0  # a whole request, or a gRPC handshake
     token_file: str | None = None  # absolute; None: no token asked (gateway/access.py)
     socket_group: str | None = None  # the group of unix: listeners (daemon.shm_group)
     tls_cert: str | None = None  # absolute; both or neither (TLS on both listeners)
@@ -101,7 +103,8 @@ def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
     ipc = [endpoint for endpoint in settings.frontends if endpoint.startswith("ipc://")]
     return GatewaySpec(frontend=ipc[0], http=config.http, grpc=config.grpc,
                        max_message_bytes=config.max_message_bytes or settings.daemon.max_message_bytes,
-                       supervisor_pid=supervisor_pid,
+                       supervisor_pid=supervisor_pid, max_connections=config.max_connections,
+                       read_timeout=config.read_timeout,
                        token_file=str(settings.resolve(config.token_file)) if config.token_file else None,
                        socket_group=settings.daemon.shm_group,
                        tls_cert=str(settings.resolve(config.tls_cert)) if config.tls_cert else None,

@@ -442,7 +442,9 @@ def test_tls_carries_tritonclient_and_plaintext_gets_nothing(tmp_path, token_fil
         assert grpc_refusal(lambda: plain.is_server_live()) == "StatusCode.UNAVAILABLE"
         plain.close()
         assert daemon.status()["gateway"]["restarts"] == 0
-        assert "(TLS)" in daemon.log()
+        log = daemon.log()
+        assert "(TLS)" in log
+        assert "Handshake failed" not in log  # grpc's INFO line for each: a peer could fill the log
 
 
 @pytest.mark.parametrize("problem", ["key readable by others", "key of another certificate"])
@@ -473,3 +475,76 @@ def test_a_public_address_needs_tls_and_tokens_or_an_explicit_choice(tmp_path):
                            "reachable from other hosts"):
             GatewayConfig(http="0.0.0.0:8000", **partial)
     assert GatewayConfig(http="0.0.0.0:8000", allow_public=True)
+
+
+# -- connections that hold descriptors without calling ---------------------------------------------
+
+
+def _closed_within(sock: socket.socket, timeout: float, trickle: bytes | None = None) -> float | None:
+    """Seconds until the peer closes ``sock`` (None if it is still open after ``timeout``),
+    sending ``trickle`` every quarter second meanwhile if given."""
+    import time
+
+    started = time.monotonic()
+    sock.settimeout(0.25)
+    while time.monotonic() - started < timeout:
+        try:
+            if trickle is not None:
+                sock.sendall(trickle)
+            while sock.recv(4096):  # what the server says before it closes (gRPC: SETTINGS)
+                pass
+            return time.monotonic() - started
+        except (ConnectionResetError, BrokenPipeError):
+            return time.monotonic() - started
+        except socket.timeout:
+            continue
+    return None
+
+
+SLOW_MODEL = {"name": "slow", "source": "python:tests.faulty:make_echo",
+              "kwargs": {"copy": True, "delay": 3.0}, "workers": 1, "cores_per_worker": 1,
+              "threads": 1, "warmup": 0}
+
+
+def test_connections_that_say_nothing_are_cut_and_a_flood_is_capped():
+    read_timeout = 2.0
+    with gateway_daemon(MODELS + [SLOW_MODEL], {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0",
+                                                "max_connections": 4,
+                                                "read_timeout": read_timeout}) as daemon:
+        daemon.wait_ready()
+        row = gateway_row(daemon)
+        host, port = row["http"].rsplit(":", 1)
+        rest_address = (host, int(port))
+        grpc_host, grpc_port = row["grpc"].rsplit(":", 1)
+
+        # REST: four connections that say nothing fill the cap; a fifth is closed at once.
+        idle = [socket.create_connection(rest_address) for _ in range(4)]
+        extra = socket.create_connection(rest_address)
+        took = _closed_within(extra, 10)
+        assert took is not None and took < read_timeout * 0.75, took
+        # The four are cut after read_timeout; so is one that trickles its headers.
+        trickler = socket.create_connection(rest_address)
+        trickler.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: gw\r\n")
+        for sock in idle:
+            assert _closed_within(sock, 10) is not None
+        took = _closed_within(trickler, 10, trickle=b"X-Pad: 1\r\n")
+        assert took is not None and took < read_timeout * 3, took
+        for sock in idle + [extra, trickler]:
+            sock.close()
+        assert "HTTP connection(s) closed at once: 4 open, max_connections 4" in daemon.log()
+        # A call whose model takes longer than read_timeout is not cut: only reading is timed.
+        status, reply = rest(row["http"], "POST", "/v2/models/slow/infer", body=json.dumps(
+            {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [7.0]}]}).encode())[:2]
+        assert status == 200 and reply["outputs"][0]["data"] == [7.0], reply
+
+        # gRPC: the same cap and the handshake's deadline, grpc's own options.
+        idle = [socket.create_connection((grpc_host, int(grpc_port))) for _ in range(4)]
+        client = grpcclient.InferenceServerClient(row["grpc"])
+        assert grpc_refusal(lambda: client.is_server_live(client_timeout=5)) == "StatusCode.UNAVAILABLE"
+        for sock in idle:
+            assert _closed_within(sock, 10) is not None
+            sock.close()
+        poll_until(lambda: grpcclient.InferenceServerClient(row["grpc"]).is_server_live(), 15,
+                   message="gRPC serving once the idle connections are gone")
+        assert rest(row["http"], "GET", "/v2/health/live")[:2] == (200, {"live": True})
+        assert daemon.status()["gateway"]["restarts"] == 0
