@@ -480,6 +480,10 @@ MUTATIONS = [
     M("gateway-grpc-logs-every-handshake", "gateway/main.py",
       'os.environ.setdefault("GRPC_VERBOSITY", "ERROR")', "pass",
       ("tests/test_gateway_access.py::test_tls_carries_tritonclient_and_plaintext_gets_nothing",)),
+    M("gateway-deep-json-internal", "gateway/kserve.py",
+      '    except RecursionError:  # "[[[[...": the caller\'s error, not an INTERNAL with a traceback\n'
+      '        raise bad_request("the request body is not valid JSON: nested too deeply") from None\n', "",
+      ("tests/test_gateway.py::test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on",)),
     # -- warm standby workers (issue 14) -------------------------------------------------------
     M("standby-never-promoted", "supervisor/pool.py",
       "        standby = self.standbys.take(slot)\n",

@@ -334,6 +334,8 @@ def load_json(data) -> Any:
         return json.loads(bytes(data))
     except (UnicodeDecodeError, ValueError) as exc:
         raise bad_request(f"the request body is not valid JSON: {str(exc)[:120]}") from None
+    except RecursionError:  # "[[[[...": the caller's error, not an INTERNAL with a traceback
+        raise bad_request("the request body is not valid JSON: nested too deeply") from None
 
 
 def parse_infer_request(body: Any, binary: memoryview) -> InferRequest:

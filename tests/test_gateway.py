@@ -383,6 +383,8 @@ def test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on(dae
                    {"inputs": [{**x, "parameters": {"binary_data_size": 256}}]})))}),
          400, "BAD_INPUT: input 'x': binary_data_size 256, but only 200 bytes"),
         (_post(address, path, b"{not json"), 400, "BAD_REQUEST: the request body is not valid JSON"),
+        (_post(address, path, b"[" * 100_000 + b"]" * 100_000), 400,
+         "BAD_REQUEST: the request body is not valid JSON: nested too deeply"),
         (_post(address, "/v2/models/nope/infer", json.dumps({"inputs": [{**x, "data": [0] * 64}]}).encode()),
          404, "UNKNOWN_MODEL"),
         (_post(address, path, json.dumps({"inputs": [{**x, "datatype": "INT64", "data": [0] * 64}]}).encode()),
@@ -398,6 +400,7 @@ def test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on(dae
         assert "Traceback" not in body["error"] and str(ROOT) not in body["error"]
     assert _get(address, "/v2/health/live")[0] == 200
     assert gateway_row(daemon)["pid"] == row["pid"]  # the same process served all of it
+    assert "RecursionError" not in daemon.log()  # a caller's error logs no traceback
 
 
 def test_bad_input_through_tritonclient_gets_typed_errors(daemon):

@@ -548,3 +548,25 @@ def test_connections_that_say_nothing_are_cut_and_a_flood_is_capped():
                    message="gRPC serving once the idle connections are gone")
         assert rest(row["http"], "GET", "/v2/health/live")[:2] == (200, {"live": True})
         assert daemon.status()["gateway"]["restarts"] == 0
+
+
+@pytest.mark.parametrize("kind", ["grpc", "http"])
+def test_perf_analyzer_measures_a_gateway_that_asks_for_tokens(daemon, token_file, kind):
+    import re
+
+    from tests.test_gateway import perf_analyzer_command
+
+    command, env = perf_analyzer_command()
+    command += ["-m", "mlp", "-i", kind, "-u", gateway_row(daemon)[kind], "--shape", "x:1,64",
+                "--concurrency-range", "1", "--measurement-mode", "count_windows",
+                "--measurement-request-count", "50", "--stability-percentage", "100",
+                "--max-trials", "3"]
+    refused = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0
+    assert "UNAUTHENTICATED" in refused.stdout + refused.stderr
+    before = mlp_requests(daemon)
+    done = subprocess.run(command + ["-H", f"authorization: Bearer {first_token(token_file)}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    counted = sum(int(n) for n in re.findall(r"Request count: (\d+)", done.stdout))
+    assert counted >= 50 and mlp_requests(daemon) - before >= counted, done.stdout
