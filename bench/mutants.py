@@ -484,6 +484,11 @@ MUTATIONS = [
       '    except RecursionError:  # "[[[[...": the caller\'s error, not an INTERNAL with a traceback\n'
       '        raise bad_request("the request body is not valid JSON: nested too deeply") from None\n', "",
       ("tests/test_gateway.py::test_bad_input_over_raw_http_gets_typed_errors_and_the_gateway_serves_on",)),
+    M("gateway-rest-client-certificate-optional", "gateway/main.py",
+      "ssl_cert_reqs=ssl.CERT_REQUIRED if spec.tls_client_ca else ssl.CERT_NONE",
+      "ssl_cert_reqs=ssl.CERT_NONE", ("tests/test_gateway_access.py::test_with_tls_client_ca_only_callers_with_a_certificate_it_signed_get_in",)),
+    M("gateway-grpc-client-certificate-optional", "gateway/main.py",
+      "require_client_auth=True", "require_client_auth=False", ("tests/test_gateway_access.py::test_with_tls_client_ca_only_callers_with_a_certificate_it_signed_get_in",)),
     # -- warm standby workers (issue 14) -------------------------------------------------------
     M("standby-never-promoted", "supervisor/pool.py",
       "        standby = self.standbys.take(slot)\n",

@@ -90,8 +90,9 @@ def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
                              "its group may change it; chmod 600 (or 640)")
 
 
-def check_tls(cert: Path, key: Path) -> None:
-    """The certificate chain and its key load and belong together; the key is kept private."""
+def check_tls(cert: Path, key: Path, client_ca: Path | None = None) -> None:
+    """The certificate chain and its key load and belong together; the key is kept private; the
+    client CA, if any, loads."""
     import ssl
 
     try:
@@ -107,6 +108,11 @@ def check_tls(cert: Path, key: Path) -> None:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
     except OSError as exc:  # ssl.SSLError is one: a bad PEM, or a key of another certificate
         raise SecretFileError(f"tls_cert {cert} with tls_key {key}: {exc.strerror or exc}") from None
+    if client_ca is not None:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=client_ca)
+        except OSError as exc:
+            raise SecretFileError(f"tls_client_ca {client_ca}: {exc.strerror or exc}") from None
 
 
 def bearer_token(authorization: str | None) -> bytes | None:

@@ -9,7 +9,8 @@ Boot order:
      for the daemon's own frontend. It replaces only a stale socket, never a file or a socket
      somebody still listens on, and is removed at exit.
      With ``token_file``, every call but the health checks needs a token (gateway/access.py);
-     with ``tls_cert`` and ``tls_key``, both listeners speak TLS (read at each start: a new
+     with ``tls_cert`` and ``tls_key``, both listeners speak TLS, and with ``tls_client_ca``
+     every caller must present a certificate that CA signed (all read at each start: a new
      certificate takes effect when this process is started again).
   3. tell the supervisor on the pipe it gave us, one JSON line: the addresses actually bound
      (``{"http": "127.0.0.1:8000", "grpc": null}``); it marks us READY (supervisor/gateway.py)
@@ -29,6 +30,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import stat
 import sys
 from pathlib import Path
@@ -177,7 +179,8 @@ async def _serve(spec, pipe) -> None:
                 make_app(service, spec.max_message_bytes, gate),
                 http=guarded_protocol(spec.max_connections, spec.read_timeout), lifespan="off",
                 log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key))
+                ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key, ssl_ca_certs=spec.tls_client_ca,
+                ssl_cert_reqs=ssl.CERT_REQUIRED if spec.tls_client_ca else ssl.CERT_NONE))
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
             await _started(http_server, http_task)
         if grpc_server is not None:
@@ -218,7 +221,12 @@ def _grpc_credentials(spec):
     import grpc
 
     with open(spec.tls_key, "rb") as key, open(spec.tls_cert, "rb") as chain:
-        return grpc.ssl_server_credentials([(key.read(), chain.read())])
+        pair = (key.read(), chain.read())
+    if spec.tls_client_ca is None:
+        return grpc.ssl_server_credentials([pair])
+    with open(spec.tls_client_ca, "rb") as authority:
+        return grpc.ssl_server_credentials([pair], root_certificates=authority.read(),
+                                           require_client_auth=True)
 
 
 def _bind_grpc(server, address: str, group: str | None, credentials) -> str:

@@ -317,6 +317,7 @@ class GatewayConfig(_Strict):
     token_file: Path | None = None  # bearer tokens the callers must present (gateway/access.py)
     tls_cert: Path | None = None  # PEM certificate chain: both listeners speak TLS
     tls_key: Path | None = None  # its PEM private key (mode 0600 or 0640)
+    tls_client_ca: Path | None = None  # PEM CA(s): callers must present a certificate it signed
     allow_public: bool = False  # a non-loopback address without TLS and tokens (docs/OPERATIONS.md)
     max_message_bytes: int | None = Field(default=None, ge=1, description=(
         "largest request body or gRPC message; default: the daemon's max_message_bytes"))
@@ -348,13 +349,15 @@ class GatewayConfig(_Strict):
             raise ValueError(f"http and grpc are both {self.http!r}: give each its own address")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together: set both, or neither")
-        guarded = self.tls_cert is not None and self.token_file is not None
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (client certificates are TLS)")
+        guarded = self.tls_cert is not None and (self.token_file or self.tls_client_ca) is not None
         for address in (self.http, self.grpc):
             if (address and unix_socket_path(address) is None and not (self.allow_public or guarded)
                     and not is_loopback(parse_host_port(address)[0])):
                 raise ValueError(f"{address!r} is reachable from other hosts: set tls_cert, tls_key "
-                                 "and token_file, or use 127.0.0.1:PORT or unix:PATH, or set "
-                                 "allow_public = true (behind your own TLS proxy)")
+                                 "and token_file (or tls_client_ca), or use 127.0.0.1:PORT or "
+                                 "unix:PATH, or set allow_public = true (behind your own TLS proxy)")
         return self
 
 

@@ -94,6 +94,7 @@ class GatewaySpec:
     socket_group: str | None = None  # the group of unix: listeners (daemon.shm_group)
     tls_cert: str | None = None  # absolute; both or neither (TLS on both listeners)
     tls_key: str | None = None
+    tls_client_ca: str | None = None  # callers need a certificate this CA signed
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -109,6 +110,8 @@ def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
                        socket_group=settings.daemon.shm_group,
                        tls_cert=str(settings.resolve(config.tls_cert)) if config.tls_cert else None,
                        tls_key=str(settings.resolve(config.tls_key)) if config.tls_key else None,
+                       tls_client_ca=(str(settings.resolve(config.tls_client_ca))
+                                      if config.tls_client_ca else None),
                        log_level=settings.daemon.log_level,
                        log_format=settings.daemon.log_format)
 
@@ -292,7 +295,8 @@ def cannot_run(settings: Settings) -> str | None:
         if config.token_file is not None:
             read_tokens(settings.resolve(config.token_file))
         if config.tls_cert is not None:
-            check_tls(settings.resolve(config.tls_cert), settings.resolve(config.tls_key))
+            check_tls(settings.resolve(config.tls_cert), settings.resolve(config.tls_key),
+                      settings.resolve(config.tls_client_ca) if config.tls_client_ca else None)
     except SecretFileError as exc:
         return f"[gateway] {exc}"
     return None

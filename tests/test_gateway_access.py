@@ -570,3 +570,65 @@ def test_perf_analyzer_measures_a_gateway_that_asks_for_tokens(daemon, token_fil
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     counted = sum(int(n) for n in re.findall(r"Request count: (\d+)", done.stdout))
     assert counted >= 50 and mlp_requests(daemon) - before >= counted, done.stdout
+
+
+def client_certificate(directory: Path, name: str, ca: tuple[Path, Path] | None) -> tuple[Path, Path]:
+    """A client certificate signed by ``ca`` (certificate, key), or self-signed if None."""
+    if ca is None:
+        return self_signed(directory, name)
+    cert, key, request = directory / f"{name}.crt", directory / f"{name}.key", directory / f"{name}.csr"
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    subprocess.run(["openssl", "req", *ec, "-subj", f"/CN={name}", "-keyout", str(key),
+                    "-out", str(request)], check=True, capture_output=True)
+    subprocess.run(["openssl", "x509", "-req", "-in", str(request), "-CA", str(ca[0]), "-CAkey",
+                    str(ca[1]), "-CAcreateserial", "-days", "2", "-out", str(cert)],
+                   check=True, capture_output=True, cwd=directory)
+    return cert, key
+
+
+def test_with_tls_client_ca_only_callers_with_a_certificate_it_signed_get_in(tmp_path):
+    cert, key = self_signed(tmp_path)
+    authority = self_signed(tmp_path, "clients-ca")
+    alice = client_certificate(tmp_path, "alice", authority)
+    mallory = client_certificate(tmp_path, "mallory", None)  # a certificate, but not the CA's
+    with gateway_daemon(MODELS, {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "tls_cert": str(cert),
+                                 "tls_key": str(key), "tls_client_ca": str(authority[0])}) as daemon:
+        daemon.wait_ready()
+        row = gateway_row(daemon)
+
+        def rest_as(identity):
+            options = {"ca_certs": str(cert)}
+            if identity is not None:
+                options.update(certfile=str(identity[0]), keyfile=str(identity[1]))
+            client = httpclient.InferenceServerClient(row["http"], ssl=True, ssl_options=options)
+            try:
+                return infer(client, httpclient, "mlp", {"x": X}, {"x": "FP32"}).as_numpy("logits")
+            finally:
+                client.close()
+
+        def grpc_as(identity):
+            client = grpcclient.InferenceServerClient(
+                row["grpc"], ssl=True, root_certificates=str(cert),
+                **({"private_key": str(identity[1]), "certificate_chain": str(identity[0])}
+                   if identity is not None else {}))
+            try:
+                return infer(client, grpcclient, "mlp", {"x": X}, {"x": "FP32"}).as_numpy("logits")
+            finally:
+                client.close()
+
+        for call in (rest_as, grpc_as):
+            np.testing.assert_allclose(call(alice), expected(), rtol=1e-5)
+            for stranger in (None, mallory):
+                # ssl.SSLError is an OSError; geventhttpclient says "connection closed"
+                with pytest.raises((InferenceServerException, OSError, http.client.HTTPException)):
+                    call(stranger)
+        before = mlp_requests(daemon)
+        np.testing.assert_allclose(grpc_as(alice), expected(), rtol=1e-5)
+        assert mlp_requests(daemon) == before + 1  # the strangers' calls never reached a worker
+        assert daemon.status()["gateway"]["restarts"] == 0
+
+    from modelwarden.shared.config import GatewayConfig
+
+    assert GatewayConfig(http="0.0.0.0:8000", tls_cert=cert, tls_key=key, tls_client_ca=authority[0])
+    with pytest.raises(ValueError, match="tls_client_ca needs tls_cert"):
+        GatewayConfig(http="127.0.0.1:8000", tls_client_ca=authority[0])
