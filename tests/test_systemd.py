@@ -15,8 +15,10 @@ Checks, in order, against the one container: ``systemctl start`` returns only on
 is READY; shared memory (memfds over buffers.sock, from a client of another user in the group)
 and core pinning work under the hardening; journald keeps each line's priority (``journalctl -p
 warning``); ``systemctl reload`` re-reads the configuration (a new model version) and returns
-only once every worker has been replaced (RELOADING=1, then READY=1); a SIGSTOPped supervisor is killed by the watchdog and restarted; ``systemctl
-stop`` leaves no process, socket or buffer; ``systemd-analyze security`` rates the unit at most
+only once every worker has been replaced (RELOADING=1, then READY=1); a SIGSTOPped supervisor is killed by the watchdog and restarted; the
+shipped ``[gateway]`` example, uncommented, serves a member of the clients' group over its Unix
+sockets with a token (and refuses one without); ``systemctl stop`` leaves no process (the
+gateway's included), socket or buffer; ``systemd-analyze security`` rates the unit at most
 2.0.
 
 Needs root, systemd-nspawn (installed with apt-get when missing and reachable) and an overlay
@@ -265,6 +267,52 @@ def test_a_stopped_supervisor_is_killed_by_the_watchdog_and_restarted(container)
     assert started.returncode == 0, started.stderr
     now = container.show("MainPID", "ActiveState")
     assert now["ActiveState"] == "active" and now["MainPID"] != shown["MainPID"], now
+
+
+GATEWAY_CLIENT = """
+import http.client, json, socket, sys
+import numpy as np, tritonclient.grpc as triton
+token = sys.argv[1]
+class UnixConnection(http.client.HTTPConnection):
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect("/run/modelwarden/gateway-http.sock")
+def post(headers):
+    connection = UnixConnection("gw", timeout=30)
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 64], "data": [0.5] * 64}]})
+    connection.request("POST", "/v2/models/mlp/infer", body=body, headers=headers)
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+found = {"without": post({})[0]}
+found["with"], reply = post({"Authorization": "Bearer " + token})
+found["rest_shape"] = reply["outputs"][0]["shape"]
+client = triton.InferenceServerClient("unix:/run/modelwarden/gateway-grpc.sock")
+x = triton.InferInput("x", [2, 64], "FP32"); x.set_data_from_numpy(np.ones((2, 64), np.float32))
+found["grpc_shape"] = list(client.infer("mlp", [x], headers={"authorization": "Bearer " + token})
+                           .as_numpy("output__0").shape)
+print(json.dumps(found))
+"""
+
+
+def test_the_shipped_gateway_example_serves_the_clients_group_under_the_hardening(container):
+    """The commented [gateway] of systemd/modelwarden.toml, uncommented as it is: Unix sockets in
+    the RuntimeDirectory for the clients' group, a token file as OPERATIONS.md says to make it."""
+    tokens = "/etc/modelwarden/gateway.tokens"
+    token = container.out(f"{MODELWARDEN} token {tokens} --label mwclient 2>/dev/null && "
+                          f"chgrp modelwarden {tokens} && chmod 640 {tokens}").splitlines()[-1]
+    container.out("sed -i -E 's/^# (\\[gateway\\]|http = \"unix:|grpc = \"unix:|token_file = )/\\1/' "
+                  "/etc/modelwarden/modelwarden.toml && grep -q '^\\[gateway\\]$' "
+                  "/etc/modelwarden/modelwarden.toml")
+    started = container.sh("systemctl restart modelwarden.service", timeout=300)
+    assert started.returncode == 0, (started.stderr,
+                                     container.out("journalctl -u modelwarden --no-pager | tail -40"))
+    poll_until(lambda: container.status().get("gateway", {}).get("state") == "READY", 90,
+               message="the gateway READY under systemd")
+    for name in ("gateway-http.sock", "gateway-grpc.sock"):
+        assert container.out(f"stat -c '%a %G' /run/modelwarden/{name}") == "660 modelwarden"
+    found = json.loads(container.out("cd / && runuser -u mwclient -- /opt/modelwarden/.venv/bin/python "
+                                     f"-c {shlex.quote(GATEWAY_CLIENT)} {token}"))
+    assert found == {"without": 401, "with": 200, "rest_shape": [1, 10], "grpc_shape": [2, 10]}, found
 
 
 def test_stop_leaves_no_process_socket_or_buffer(container):
