@@ -460,7 +460,7 @@ MUTATIONS = [
       "        os.unlink(path)\n        return\n", '        raise OSError(errno.EADDRINUSE, "in use")\n',
       ("tests/test_gateway_access.py::test_unix_socket_listeners_let_in_the_clients_group_and_nobody_else",)),
     M("gateway-rest-tls-off", "gateway/main.py",
-      ",\n                ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key))", "))",
+      "ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key,", "ssl_certfile=None, ssl_keyfile=None,",
       ("tests/test_gateway_access.py::test_tls_carries_tritonclient_and_plaintext_gets_nothing",)),
     M("gateway-grpc-tls-off", "gateway/main.py",
       "    if spec.tls_cert is None:\n        return None\n", "    return None\n",
@@ -490,6 +490,9 @@ MUTATIONS = [
       "ssl_cert_reqs=ssl.CERT_NONE", ("tests/test_gateway_access.py::test_with_tls_client_ca_only_callers_with_a_certificate_it_signed_get_in",)),
     M("gateway-grpc-client-certificate-optional", "gateway/main.py",
       "require_client_auth=True", "require_client_auth=False", ("tests/test_gateway_access.py::test_with_tls_client_ca_only_callers_with_a_certificate_it_signed_get_in",)),
+    M("gateway-rest-tls-handshake-unbounded", "gateway/main.py",
+      "    asyncio.constants.SSL_HANDSHAKE_TIMEOUT = seconds\n", "    pass\n",
+      ("tests/test_gateway_access.py::test_tls_carries_tritonclient_and_plaintext_gets_nothing",)),
     # -- warm standby workers (issue 14) -------------------------------------------------------
     M("standby-never-promoted", "supervisor/pool.py",
       "        standby = self.standbys.take(slot)\n",

@@ -159,6 +159,8 @@ async def _serve(spec, pipe) -> None:
     bound: dict[str, str | None] = {"http": None, "grpc": None}
     sock, grpc_server = None, None
     gate = _gatekeeper(spec)
+    if spec.tls_cert:
+        _bound_tls_handshakes(spec.read_timeout)
     if spec.http:
         sock = _listening_socket(spec.http, spec.socket_group)
         bound["http"] = (spec.http if sock.family == socket.AF_UNIX
@@ -202,6 +204,16 @@ async def _serve(spec, pipe) -> None:
             await grpc_server.stop(SHUTDOWN_GRACE_S)
         await service.close()
         _remove_unix_sockets(spec)
+
+
+def _bound_tls_handshakes(seconds: float) -> None:
+    """uvicorn passes asyncio no ``ssl_handshake_timeout``, so a peer that opens a TLS connection
+    to the REST port and says nothing would hold it for asyncio's default 60 s, uncounted by
+    ``max_connections`` (a connection counts once its handshake is done). asyncio reads this
+    default at each connection; this process runs no other TLS server."""
+    import asyncio.constants
+
+    asyncio.constants.SSL_HANDSHAKE_TIMEOUT = seconds
 
 
 def _gatekeeper(spec):

@@ -324,7 +324,7 @@ class GatewayConfig(_Strict):
     max_connections: int = Field(default=4096, ge=1, description=(
         "open connections per listener; more are closed as soon as they are accepted"))
     read_timeout: float = Field(default=30.0, gt=0, description=(
-        "seconds for a whole request (headers and body) to arrive, and for a gRPC handshake"))
+        "seconds for a whole request (headers and body) to arrive, and for a TLS or gRPC handshake"))
 
     @field_validator("max_message_bytes", mode="before")
     @classmethod

@@ -412,10 +412,18 @@ def test_tls_carries_tritonclient_and_plaintext_gets_nothing(tmp_path, token_fil
     cert, key = self_signed(tmp_path)
     token = first_token(token_file)
     with gateway_daemon(MODELS, {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "tls_cert": str(cert),
-                                 "tls_key": str(key), "token_file": str(token_file)}) as daemon:
+                                 "tls_key": str(key), "token_file": str(token_file),
+                                 "read_timeout": 2.0}) as daemon:
         daemon.wait_ready()
         row = gateway_row(daemon)
         host, port = row["http"].rsplit(":", 1)
+        grpc_host, grpc_port = row["grpc"].rsplit(":", 1)
+
+        # A connection that never starts its handshake is cut after read_timeout, not held.
+        for address in ((host, int(port)), (grpc_host, int(grpc_port))):
+            with socket.create_connection(address) as silent:
+                took = _closed_within(silent, 15)
+                assert took is not None and took < 10, (address, took)
 
         # The REST port speaks TLS with our certificate, and carries Triton's client.
         context = ssl.create_default_context(cafile=str(cert))
