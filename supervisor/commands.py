@@ -280,8 +280,9 @@ def status_table(status: dict) -> str:
 def _gateway_text(gateway: dict) -> str:
     listeners = ", ".join(f"{kind} {gateway[kind]}" for kind in ("http", "grpc") if gateway.get(kind))
     exit_text = f", last exit {gateway['last_exit']}" if gateway.get("last_exit") else ""
-    return (f"gateway {gateway['state']}  pid {gateway['pid'] or '-'}  {listeners}  up "
-            f"{_duration(gateway['uptime_s'])}  restarts {gateway['restarts']}{exit_text}")
+    return (f"gateway {gateway['state']}  pid {gateway['pid'] or '-'}  {listeners}  access "
+            f"{', '.join(gateway['access'])}  up {_duration(gateway['uptime_s'])}  restarts "
+            f"{gateway['restarts']}{exit_text}")
 
 
 def _batching_text(batching: dict | None) -> str:

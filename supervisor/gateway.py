@@ -276,7 +276,15 @@ class GatewayKeeper:
                 "http": self.addresses.get("http") or self.spec.http,
                 "grpc": self.addresses.get("grpc") or self.spec.grpc,
                 "uptime_s": round(now - self.started_at, 3) if self.process and self.started_at else None,
-                "restarts": self.restarts, "last_exit": self.last_exit}
+                "restarts": self.restarts, "last_exit": self.last_exit,
+                "access": self.access()}
+
+    def access(self) -> list[str]:
+        """What stands between a caller and the models, beyond reaching the address."""
+        spec = self.spec
+        return ([name for name, on in (("tls", spec.tls_cert), ("client-certificates", spec.tls_client_ca),
+                                       ("tokens", spec.token_file)) if on]
+                or ["none"])
 
 
 def cannot_run(settings: Settings) -> str | None:

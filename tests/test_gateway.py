@@ -447,7 +447,9 @@ def test_status_shows_the_gateway(daemon):
     done = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--config",
                            str(daemon.config_path)], capture_output=True, text=True, timeout=60)
     row = gateway_row(daemon)
-    assert re.search(rf"gateway READY\s+pid {row['pid']}\s+http {re.escape(row['http'])}", done.stdout)
+    assert re.search(rf"gateway READY\s+pid {row['pid']}\s+http {re.escape(row['http'])}, grpc "
+                     rf"{re.escape(row['grpc'])}\s+access none\s", done.stdout), done.stdout
+    assert row["access"] == ["none"]
 
 
 def test_a_killed_gateway_is_restarted_and_native_clients_never_notice(daemon):

@@ -139,6 +139,7 @@ def test_without_a_token_only_the_health_checks_answer(daemon, token_file):
         grpc.close()
     assert mlp_requests(daemon) == before  # refused before anything reached the daemon
     assert daemon.status()["gateway"]["restarts"] == 0
+    assert daemon.status()["gateway"]["access"] == ["tokens"]
 
 
 def test_with_a_token_tritonclient_works_unchanged(daemon, token_file):
@@ -450,6 +451,7 @@ def test_tls_carries_tritonclient_and_plaintext_gets_nothing(tmp_path, token_fil
         assert grpc_refusal(lambda: plain.is_server_live()) == "StatusCode.UNAVAILABLE"
         plain.close()
         assert daemon.status()["gateway"]["restarts"] == 0
+        assert daemon.status()["gateway"]["access"] == ["tls", "tokens"]
         log = daemon.log()
         assert "(TLS)" in log
         assert "Handshake failed" not in log  # grpc's INFO line for each: a peer could fill the log
@@ -634,6 +636,7 @@ def test_with_tls_client_ca_only_callers_with_a_certificate_it_signed_get_in(tmp
         np.testing.assert_allclose(grpc_as(alice), expected(), rtol=1e-5)
         assert mlp_requests(daemon) == before + 1  # the strangers' calls never reached a worker
         assert daemon.status()["gateway"]["restarts"] == 0
+        assert daemon.status()["gateway"]["access"] == ["tls", "client-certificates"]
 
     from modelwarden.shared.config import GatewayConfig
 

@@ -308,6 +308,7 @@ def test_the_shipped_gateway_example_serves_the_clients_group_under_the_hardenin
                                      container.out("journalctl -u modelwarden --no-pager | tail -40"))
     poll_until(lambda: container.status().get("gateway", {}).get("state") == "READY", 90,
                message="the gateway READY under systemd")
+    assert container.status()["gateway"]["access"] == ["tokens"]
     for name in ("gateway-http.sock", "gateway-grpc.sock"):
         assert container.out(f"stat -c '%a %G' /run/modelwarden/{name}") == "660 modelwarden"
     found = json.loads(container.out("cd / && runuser -u mwclient -- /opt/modelwarden/.venv/bin/python "
