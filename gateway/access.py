@@ -21,7 +21,8 @@ Tokens are kept as SHA-256 digests, and a presented token's digest is compared w
 them by ``hmac.compare_digest``: how long a refusal takes says nothing about how close a guess
 was, nor which token it was near.
 
-``check_tls`` holds the TLS key to the same rules and checks that it matches its certificate.
+``check_tls`` holds the TLS key to the same rules and checks that it matches its certificate;
+``TlsFiles`` keeps a listener's certificate, key and client CA current the same way.
 
 Only the standard library here: the supervisor checks the files at start (``read_tokens``,
 ``check_tls``) without importing the gateway's libraries.
@@ -113,6 +114,70 @@ def check_tls(cert: Path, key: Path, client_ca: Path | None = None) -> None:
             ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=client_ca)
         except OSError as exc:
             raise SecretFileError(f"tls_client_ca {client_ca}: {exc.strerror or exc}") from None
+
+
+class TlsFiles:
+    """The TLS certificate, key and client CA as they are now, for one listener: looked at (one
+    ``stat`` each) at most once every ``RECHECK_S`` and loaded again when one changed, so a
+    renewed certificate or CA takes effect on the next connection, with no restart. A set that
+    does not load (a key written before its certificate, a wrong mode) leaves the previous one in
+    use, logged at ERROR; unlike a token list, an old certificate grants nobody anything.
+
+    ``context`` is an ``ssl.SSLContext`` (REST), ``pem`` the files' bytes (gRPC)."""
+
+    def __init__(self, cert: Path, key: Path, client_ca: Path | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        import threading
+
+        self.paths = (cert, key, client_ca)
+        self.clock = clock
+        self._lock = threading.Lock()  # grpc asks from its own threads
+        self._signature = self._look()
+        self._load()
+        self._checked_at = clock()
+
+    def refresh(self) -> bool:
+        """Load the files again if they changed since the last look; True when a new set is in."""
+        with self._lock:
+            now = self.clock()
+            if now - self._checked_at < RECHECK_S:
+                return False
+            self._checked_at = now
+            signature = self._look()
+            if signature == self._signature:
+                return False
+            self._signature = signature
+            try:
+                self._load()
+            except (SecretFileError, OSError) as exc:  # ssl.SSLError is an OSError
+                logger.error("%s: the gateway keeps its previous TLS certificate", exc)
+                return False
+            logger.info("TLS files re-read: %s", ", ".join(str(p) for p in self.paths if p))
+            return True
+
+    def _load(self) -> None:
+        import ssl
+
+        cert, key, authority = self.paths
+        check_tls(cert, key, authority)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(cert, key)
+        if authority is not None:
+            context.load_verify_locations(cafile=authority)
+            context.verify_mode = ssl.CERT_REQUIRED
+        self.pem = (key.read_bytes(), cert.read_bytes(),
+                    authority.read_bytes() if authority is not None else None)
+        self.context = context
+
+    def _look(self) -> tuple:
+        signature = []
+        for path in self.paths:
+            try:
+                info = os.stat(path) if path is not None else None
+            except OSError:
+                info = None
+            signature.append(info and (info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size))
+        return tuple(signature)
 
 
 def bearer_token(authorization: str | None) -> bytes | None:

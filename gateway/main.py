@@ -10,8 +10,9 @@ Boot order:
      somebody still listens on, and is removed at exit.
      With ``token_file``, every call but the health checks needs a token (gateway/access.py);
      with ``tls_cert`` and ``tls_key``, both listeners speak TLS, and with ``tls_client_ca``
-     every caller must present a certificate that CA signed (all read at each start: a new
-     certificate takes effect when this process is started again).
+     every caller must present a certificate that CA signed. The files are looked at again
+     before handshakes (at most once a second, access.TlsFiles): a renewed certificate is in
+     use from the next connection on, with no restart.
   3. tell the supervisor on the pipe it gave us, one JSON line: the addresses actually bound
      (``{"http": "127.0.0.1:8000", "grpc": null}``); it marks us READY (supervisor/gateway.py)
   4. serve until SIGTERM: stop accepting, finish what is in flight (a few seconds), exit 0
@@ -30,7 +31,6 @@ import logging
 import os
 import signal
 import socket
-import ssl
 import stat
 import sys
 from pathlib import Path
@@ -177,12 +177,14 @@ async def _serve(spec, pipe) -> None:
     http_server, http_task = None, None
     try:
         if sock is not None:
-            http_server = _uvicorn_server(uvicorn.Config(
+            config = uvicorn.Config(
                 make_app(service, spec.max_message_bytes, gate),
                 http=guarded_protocol(spec.max_connections, spec.read_timeout), lifespan="off",
-                log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-                ssl_certfile=spec.tls_cert, ssl_keyfile=spec.tls_key, ssl_ca_certs=spec.tls_client_ca,
-                ssl_cert_reqs=ssl.CERT_REQUIRED if spec.tls_client_ca else ssl.CERT_NONE))
+                log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+            config.load()
+            if spec.tls_cert:
+                config.ssl = _rotating_context(_tls_files(spec))
+            http_server = _uvicorn_server(config)
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
             await _started(http_server, http_task)
         if grpc_server is not None:
@@ -227,18 +229,47 @@ def _gatekeeper(spec):
         raise OSError(errno.EACCES, str(exc)) from None
 
 
+def _tls_files(spec):
+    from modelwarden.gateway.access import SecretFileError, TlsFiles
+
+    try:
+        return TlsFiles(Path(spec.tls_cert), Path(spec.tls_key),
+                        Path(spec.tls_client_ca) if spec.tls_client_ca else None)
+    except SecretFileError as exc:  # they were fine when the daemon started: say what changed
+        raise OSError(errno.EACCES, str(exc)) from None
+
+
+def _rotating_context(files):
+    """The REST listener's context: each handshake first looks whether the files changed and,
+    if they did, goes on with a context made from the new ones (the way servers pick a
+    certificate by SNI; Python calls this for every ClientHello, SNI or not)."""
+    listening = files.context
+
+    def current_files(ssl_object, server_name, context) -> None:
+        files.refresh()
+        if files.context is not context:
+            ssl_object.context = files.context
+
+    listening.sni_callback = current_files
+    return listening
+
+
 def _grpc_credentials(spec):
+    """TLS credentials that grpc asks again before every handshake: a renewed certificate or CA
+    is in use from the next connection on."""
     if spec.tls_cert is None:
         return None
     import grpc
 
-    with open(spec.tls_key, "rb") as key, open(spec.tls_cert, "rb") as chain:
-        pair = (key.read(), chain.read())
-    if spec.tls_client_ca is None:
-        return grpc.ssl_server_credentials([pair])
-    with open(spec.tls_client_ca, "rb") as authority:
-        return grpc.ssl_server_credentials([pair], root_certificates=authority.read(),
-                                           require_client_auth=True)
+    files = _tls_files(spec)
+
+    def configuration():
+        key, chain, authority = files.pem
+        return grpc.ssl_server_certificate_configuration([(key, chain)], root_certificates=authority)
+
+    return grpc.dynamic_ssl_server_credentials(
+        configuration(), lambda: configuration() if files.refresh() else None,
+        require_client_authentication=spec.tls_client_ca is not None)
 
 
 def _bind_grpc(server, address: str, group: str | None, credentials) -> str:
