@@ -494,9 +494,11 @@ MUTATIONS = [
       "    asyncio.constants.SSL_HANDSHAKE_TIMEOUT = seconds\n", "    pass\n",
       ("tests/test_gateway_access.py::test_tls_carries_tritonclient_and_plaintext_gets_nothing",)),
     M("gateway-rest-certificate-not-renewed", "gateway/main.py",
-      "            ssl_object.context = files.context\n", "            pass\n", ("tests/test_gateway_access.py::test_a_renewed_certificate_is_served_from_the_next_connection_without_a_restart",)),
+      "            ssl_object.context = files.context\n", "            pass\n", ("tests/test_gateway_access.py::test_a_renewed_certificate_is_served_from_the_next_connection_without_a_restart",
+       "tests/test_gateway_access.py::test_a_renewed_client_ca_takes_effect_from_the_next_connection_without_a_restart")),
     M("gateway-grpc-certificate-not-renewed", "gateway/main.py",
-      "configuration() if files.refresh() else None", "None", ("tests/test_gateway_access.py::test_a_renewed_certificate_is_served_from_the_next_connection_without_a_restart",)),
+      "configuration() if files.refresh() else None", "None", ("tests/test_gateway_access.py::test_a_renewed_certificate_is_served_from_the_next_connection_without_a_restart",
+       "tests/test_gateway_access.py::test_a_renewed_client_ca_takes_effect_from_the_next_connection_without_a_restart")),
     M("gateway-half-renewed-certificate-breaks-tls", "gateway/access.py",
       '                logger.error("%s: the gateway keeps its previous TLS certificate", exc)\n'
       "                return False\n", "                raise\n", ("tests/test_gateway_access.py::test_a_renewed_certificate_is_served_from_the_next_connection_without_a_restart",)),

@@ -702,3 +702,39 @@ def test_a_renewed_certificate_is_served_from_the_next_connection_without_a_rest
                    message="gRPC serving the new certificate")
         assert not _rest_trusts(row["http"], old_cert) and not _grpc_trusts(row["grpc"], old_cert)
         assert gateway_row(daemon)["pid"] == row["pid"]
+
+
+def test_a_renewed_client_ca_takes_effect_from_the_next_connection_without_a_restart(tmp_path):
+    cert, key = self_signed(tmp_path)
+    first_ca, second_ca = self_signed(tmp_path, "first-ca"), self_signed(tmp_path, "second-ca")
+    first, second = client_certificate(tmp_path, "first", first_ca), client_certificate(tmp_path, "second", second_ca)
+    live_ca = tmp_path / "clients-ca.crt"
+    shutil.copy(first_ca[0], live_ca)
+    with gateway_daemon(MODELS, {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0", "tls_cert": str(cert),
+                                 "tls_key": str(key), "tls_client_ca": str(live_ca)}) as daemon:
+        daemon.wait_ready()
+        row = gateway_row(daemon)
+
+        def served(identity) -> dict:
+            found = {}
+            rest_client = httpclient.InferenceServerClient(row["http"], ssl=True, ssl_options={
+                "ca_certs": str(cert), "certfile": str(identity[0]), "keyfile": str(identity[1])})
+            grpc_client = grpcclient.InferenceServerClient(
+                row["grpc"], ssl=True, root_certificates=str(cert), private_key=str(identity[1]),
+                certificate_chain=str(identity[0]))
+            for kind, client in (("http", rest_client), ("grpc", grpc_client)):
+                try:
+                    found[kind] = bool(client.is_server_live())
+                except (InferenceServerException, OSError, http.client.HTTPException):
+                    found[kind] = False
+                finally:
+                    client.close()
+            return found
+
+        assert served(first) == {"http": True, "grpc": True}
+        assert served(second) == {"http": False, "grpc": False}
+        shutil.copy(second_ca[0], live_ca)  # the clients' CA is replaced
+        poll_until(lambda: served(second) == {"http": True, "grpc": True}, 15, interval=0.2,
+                   message="the new CA's client served on both listeners")
+        assert served(first) == {"http": False, "grpc": False}
+        assert gateway_row(daemon)["pid"] == row["pid"]
