@@ -49,6 +49,16 @@ OPEN_METHODS = frozenset({"ServerLive", "ServerReady"})
 CHALLENGE = 'Bearer realm="modelwarden"'  # the WWW-Authenticate of a REST 401
 
 
+def file_signature(path: Path) -> tuple | None:
+    """What changes when the file is replaced, rewritten, chmodded or chowned (ctime); None when
+    it cannot be looked at."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size
+
+
 class SecretFileError(ValueError):
     """The token file (or the TLS key) cannot be used: why, and which file."""
 
@@ -170,14 +180,7 @@ class TlsFiles:
         self.context = context
 
     def _look(self) -> tuple:
-        signature = []
-        for path in self.paths:
-            try:
-                info = os.stat(path) if path is not None else None
-            except OSError:
-                info = None
-            signature.append(info and (info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size))
-        return tuple(signature)
+        return tuple(file_signature(path) if path is not None else None for path in self.paths)
 
 
 def bearer_token(authorization: str | None) -> bytes | None:
@@ -199,7 +202,7 @@ class Gatekeeper:
     def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.clock = clock
-        self._signature = self._look()
+        self._signature = file_signature(self.path)
         self._digests = read_tokens(path)  # at start a bad file is the caller's error to report
         self._checked_at = clock()
         self._refused = 0
@@ -217,19 +220,12 @@ class Gatekeeper:
             self._count_refusal()
         return allowed
 
-    def _look(self) -> tuple | None:
-        try:
-            info = os.stat(self.path)
-        except OSError:
-            return None
-        return info.st_ino, info.st_mtime_ns, info.st_ctime_ns, info.st_size
-
     def _refresh(self) -> None:
         now = self.clock()
         if now - self._checked_at < RECHECK_S:
             return
         self._checked_at = now
-        signature = self._look()  # ctime: a chmod or chown changes it too
+        signature = file_signature(self.path)
         if signature == self._signature:
             return
         self._signature = signature

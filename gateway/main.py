@@ -104,13 +104,14 @@ def _listening_socket(address: str, group: str | None) -> socket.socket:
 
 def _claim_unix_path(path: str) -> None:
     """Bind only over a stale socket: never over another file, never over a live listener."""
+    from modelwarden.supervisor.runtime import DaemonError, check_socket_path
+
     try:
-        info = os.lstat(path)
-    except FileNotFoundError:
+        check_socket_path(Path(path))  # the daemon's own rule for its ipc sockets
+    except DaemonError as exc:
+        raise OSError(errno.EEXIST, str(exc)) from None
+    if not os.path.lexists(path):
         return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise OSError(errno.EEXIST, f"cannot listen on unix:{path}: something that is not a "
-                      "socket is there")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)
@@ -139,8 +140,11 @@ def _restrict(path: str, group: str | None) -> None:
 def _remove_unix_sockets(spec) -> None:
     for address in (spec.http, spec.grpc):
         path = address and unix_socket_path(address)
-        if path and os.path.exists(path) and stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
+        try:
+            if path and stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _address(host: str, port: int) -> str:
