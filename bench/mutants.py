@@ -137,6 +137,23 @@ MUTATIONS = [
        "tests/test_reload.py::test_a_fatal_slot_retries_by_itself_after_fatal_retry_and_heals")),
 
     # -- requests: retries, queueing, deadlines --------------------------------------------------
+    M("async-client-edge-not-rechecked", "shared/client.py",
+      "        # the edge of a reply that has already arrived: look now, or it could wait for ever.\n"
+      "        self._on_events()",
+      "        # the edge of a reply that has already arrived: look now, or it could wait for ever.\n"
+      "        pass",
+      ("tests/test_serving.py::test_async_client_keeps_64_in_flight_from_one_loop_then_another",)),
+    M("async-client-reader-stays-on-the-first-loop", "shared/client.py",
+      "        if self._loop is not loop:", "        if self._loop is None:",
+      ("tests/test_serving.py::test_async_client_keeps_64_in_flight_from_one_loop_then_another",)),
+    M("async-client-no-timer", "shared/client.py",
+      "        timer = loop.call_later(timeout, _expire, future)",
+      "        timer = loop.call_later(3600, _expire, future)",
+      ("tests/test_serving.py::test_async_client_gives_up_on_a_silent_daemon_and_close_ends_what_still_waits",)),
+    M("async-client-close-leaves-waiters", "shared/client.py",
+      "        for future in [*self._waiting.values(), *self._writable]:",
+      "        for future in []:",
+      ("tests/test_serving.py::test_async_client_gives_up_on_a_silent_daemon_and_close_ends_what_still_waits",)),
     M("retry-after-crash", "supervisor/requests.py",
       "    if request.deaths > retries:\n        return WORKER_DIED\n    return None",
       "    return WORKER_DIED",

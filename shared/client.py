@@ -24,7 +24,7 @@ before its future is done): the worker may be reading it in place.
 
 Threads. A Client may be shared by any number of threads: ``infer`` talks over a socket owned by
 the calling thread, and ``submit`` hands requests to one background I/O thread. An AsyncClient
-belongs to the event loop it is used from.
+is used from one event loop at a time (a later loop takes it over).
 
 CURVE. A ``tcp://`` frontend of a daemon with ``[daemon.curve]`` answers only a client that has
 the server's public key and an allowed key pair: ``Client("tcp://host:5555",
@@ -59,7 +59,6 @@ from typing import Any
 
 import torch
 import zmq
-import zmq.asyncio
 
 from modelwarden.shared import protocol
 from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, client_runtime_dir, load_settings
@@ -421,7 +420,12 @@ class _IOThread(threading.Thread):
 
 class AsyncClient:
     """``await client.infer(model, inputs)`` from one event loop; many requests in flight.
-    Given several endpoints, an AsyncMultiClient is made instead (shared/multiclient.py)."""
+    Given several endpoints, an AsyncMultiClient is made instead (shared/multiclient.py).
+
+    Its socket is a plain ZeroMQ socket whose file descriptor the loop watches (``add_reader``):
+    a reply resolves its request's future straight from the loop's callback, and a request is
+    sent without a wait (the socket has no high-water mark). zmq.asyncio's reader task and
+    per-call futures cost about 0.1 ms of a 1.2 ms round trip on a 2-core machine."""
 
     def __new__(cls, endpoint: str | list[str] | None = None, **options: Any):
         endpoints = _several_endpoints(endpoint)
@@ -441,16 +445,21 @@ class AsyncClient:
         self.timeout = timeout
         curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
-        self._context = zmq.asyncio.Context()
-        self._socket = self._context.socket(zmq.DEALER)
+        # The process's one context, never terminated here: a client of its own context that
+        # is garbage-collected unclosed inside a reference cycle (asyncio makes them) could have
+        # the context's finalizer wait for ever on the socket the same cycle still holds.
+        self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)
         self._socket.setsockopt(zmq.RCVHWM, 0)
         if curve is not None:
             make_curve_client(self._socket, curve)
         self._socket.connect(self.endpoint)
+        self._fd = self._socket.getsockopt(zmq.FD)
         self._waiting: dict[Any, asyncio.Future] = {}
-        self._reader: asyncio.Task | None = None
+        self._writable: list[asyncio.Future] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -491,22 +500,60 @@ class AsyncClient:
         return self._session.empty(shape, dtype)
 
     async def _roundtrip(self, request_id: Any, messages: list, timeout: float) -> tuple[dict, list]:
-        if self._reader is None:
-            self._reader = asyncio.ensure_future(self._read_replies())
-        future = asyncio.get_running_loop().create_future()
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        loop = self._watch_from(asyncio.get_running_loop())
+        future = loop.create_future()
         self._waiting[request_id] = future
+        timer = loop.call_later(timeout, _expire, future)
         try:
             for parts in messages:
-                await self._socket.send_multipart(parts, copy=False)
-            return await asyncio.wait_for(future, timeout)
+                await self._send(parts)
+            return await future
         except asyncio.TimeoutError:
             raise _deadline_error(self.endpoint, timeout) from None
         finally:
+            timer.cancel()
             self._waiting.pop(request_id, None)
 
-    async def _read_replies(self) -> None:
+    def _watch_from(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+        """Have ``loop`` call us when the socket has something; once per loop."""
+        if self._loop is not loop:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._fd)
+            loop.add_reader(self._fd, self._on_events)
+            self._loop = loop
+        return loop
+
+    async def _send(self, parts: list) -> None:
         while True:
-            frames = await self._socket.recv_multipart(copy=False)
+            try:
+                send_parts(self._socket, parts, zmq.DONTWAIT)
+                break
+            except zmq.Again:  # no room (not with SNDHWM 0, but never block the loop)
+                waiter = asyncio.get_running_loop().create_future()
+                self._writable.append(waiter)
+                self._on_events()
+                await waiter
+        # ZeroMQ's descriptor is edge-triggered, and any operation on the socket may consume
+        # the edge of a reply that has already arrived: look now, or it could wait for ever.
+        self._on_events()
+
+    def _on_events(self) -> None:
+        """Resolve every request whose reply has arrived, and wake senders waiting for room."""
+        socket = self._socket
+        if socket.closed:
+            return
+        while True:
+            events = socket.getsockopt(zmq.EVENTS)
+            if events & zmq.POLLOUT and self._writable:
+                waiters, self._writable = self._writable, []
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+            if not events & zmq.POLLIN:
+                return
+            frames = recv_parts(socket, zmq.DONTWAIT)
             try:
                 header, payload = _parse_reply(frames)
             except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
@@ -516,15 +563,21 @@ class AsyncClient:
                 future.set_result((header, payload))
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except (asyncio.CancelledError, Exception):
-                pass
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        for future in [*self._waiting.values(), *self._writable]:
+            if not future.done():
+                future.set_exception(RuntimeError("the client is closed"))
         self._socket.close(0)
         self._session.close()
-        self._context.term()
+
+
+def _expire(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(asyncio.TimeoutError())
 
 
 # -- control requests (the CLI) ------------------------------------------------------------------

@@ -115,6 +115,66 @@ def test_async_client(daemon):
         torch.testing.assert_close(y, REFERENCE(x))
 
 
+def test_async_client_keeps_64_in_flight_from_one_loop_then_another(daemon):
+    """Replies resolve their requests from the loop's reader callback. ZeroMQ's descriptor is
+    edge-triggered: a reply whose edge a send consumed would wait until the client's timer
+    (3 s here, and the test fails with Timeout). A client used from a second loop
+    (``asyncio.run`` again) moves its reader there."""
+    import asyncio
+
+    from modelwarden.shared.client import AsyncClient
+
+    inputs = [torch.randn(1, 64) for _ in range(64)]
+
+    async def rounds(client):
+        outputs = []
+        for _ in range(15):
+            outputs = await asyncio.gather(*(client.infer("mlp", x, timeout=2) for x in inputs))
+        return outputs
+
+    client = AsyncClient(daemon.endpoint)
+    try:
+        for _ in range(2):  # each asyncio.run is a new event loop
+            for x, y in zip(inputs, asyncio.run(rounds(client))):
+                torch.testing.assert_close(y, REFERENCE(x))
+    finally:
+        asyncio.run(client.close())
+
+
+def test_async_client_gives_up_on_a_silent_daemon_and_close_ends_what_still_waits():
+    import asyncio
+    import signal
+    import time
+
+    from modelwarden.shared.client import GRACE_S, AsyncClient, Timeout
+
+    with Daemon([mlp_model()]) as daemon:
+        daemon.wait_ready()
+        x = torch.randn(2, 64)
+
+        async def main():
+            client = AsyncClient(daemon.endpoint)
+            await client.hello()
+            daemon.process.send_signal(signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(Timeout):
+                    await client.infer("mlp", x, timeout=0.5)
+                assert 0.5 + GRACE_S <= time.monotonic() - started < 10
+                held = asyncio.ensure_future(client.infer("mlp", x, timeout=60))
+                while not client._waiting:  # sent, and waiting for its reply
+                    await asyncio.sleep(0)
+                await client.close()
+                with pytest.raises(RuntimeError, match="the client is closed"):
+                    await asyncio.wait_for(held, 5)
+                with pytest.raises(RuntimeError, match="the client is closed"):
+                    await client.infer("mlp", x)
+            finally:
+                daemon.process.send_signal(signal.SIGCONT)
+
+        asyncio.run(main())
+
+
 def test_each_source_kind_loads_and_serves(daemon):
     x = torch.randn(4, 64)
     with Client(daemon.endpoint) as client:
