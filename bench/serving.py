@@ -24,8 +24,11 @@ Systems (--only takes these names, comma-separated):
                tritonclient.grpc.aio with N tasks on one loop above; the gateway-test extra),
                gRPC through Triton's perf_analyzer (its C++ client; skipped, saying why, where
                its binary cannot load) and, on W1, an empty gRPC call (ServerLive, answered by
-               the gateway alone): the floor of any gRPC request. Skipped, saying why, without
-               the extras.
+               the gateway alone): the floor of any gRPC request; and perf_analyzer against
+               bench/grpc_floor.cc, Google's C++ gRPC server answering with the gateway's own
+               canned answers (built under bench/.build where g++ and libgrpc++-dev are; skipped,
+               saying why, elsewhere): the floor of a gateway whose gRPC front were compiled.
+               Skipped, saying why, without the extras.
   inprocess    the background article's alternatives in this process, N client threads: one
                shared model behind a lock, and a queue served by one worker thread (W1, W2).
   mosec, litserve, ray, pytriton
@@ -420,6 +423,7 @@ def bench_gateway(workdir: Path, workloads: dict[str, Workload], levels: list[in
         return []
     chosen = {name: workload for name, workload in workloads.items() if name in GATEWAY_WORKLOADS}
     analyzer = find_perf_analyzer(notes)
+    floor = build_compiled_floor(notes) if analyzer and "W1" in chosen else None
     transports = ("REST JSON", "REST binary", "gRPC") + ((PERF_ANALYZER,) if analyzer else ())
     rows = []
     for label, batching in (mw_configs()[0], mw_configs()[2]):
@@ -445,6 +449,11 @@ def bench_gateway(workdir: Path, workloads: dict[str, Workload], levels: list[in
                 if workload.name == "W1" and batching is None:
                     rows.append(point("gateway", EMPTY_CALL, label, workload, 1,
                                       empty_grpc_call(grpc, timing), workers=2, batching=batching))
+                    if analyzer and floor:
+                        rows.append(point("gateway", COMPILED_FLOOR, label, workload, 1,
+                                          compiled_floor_point(floor, analyzer, grpc, name,
+                                                               workload, timing),
+                                          workers=2, batching=batching))
         finally:
             stop_process(daemon)
     return rows
@@ -520,6 +529,74 @@ def _grpc_sync(address: str, model: str, workload: Workload, window: Window, che
 
 EMPTY_CALL = "gRPC empty call"
 PERF_ANALYZER = "gRPC perf_analyzer"
+COMPILED_FLOOR = "gRPC C++ empty server"
+BUILD_DIR = ROOT / "bench" / ".build"
+
+
+def build_compiled_floor(notes: list[str]) -> Path | None:
+    """bench/grpc_floor.cc built against Debian's libgrpc++ (once; kept under bench/.build), or
+    None with a note saying why."""
+    binary = BUILD_DIR / "grpc_floor"
+    source = ROOT / "bench" / "grpc_floor.cc"
+    proto = ROOT / "gateway" / "proto" / "grpc_predict_v2.proto"
+    if binary.exists() and binary.stat().st_mtime >= max(source.stat().st_mtime, proto.stat().st_mtime):
+        return binary
+    tools = [shutil.which(name) for name in ("g++", "protoc", "grpc_cpp_plugin", "pkg-config")]
+    flags = subprocess.run(["pkg-config", "--cflags", "--libs", "grpc++", "protobuf"],
+                           capture_output=True, text=True) if all(tools) else None
+    if flags is None or flags.returncode != 0:
+        notes.append("gateway: gRPC C++ empty server skipped: it needs g++, protoc, grpc_cpp_plugin "
+                     "and libgrpc++ (Debian: apt install g++ pkg-config libgrpc++-dev "
+                     "protobuf-compiler-grpc)")
+        print(f"note: {notes[-1]}", flush=True)
+        return None
+    BUILD_DIR.mkdir(exist_ok=True)
+    shutil.copy(proto, BUILD_DIR / proto.name)
+    steps = [[tools[1], "-I.", "--cpp_out=.", "--grpc_out=.", f"--plugin=protoc-gen-grpc={tools[2]}",
+              proto.name],
+             [tools[0], "-O2", "-std=c++17", str(source), "grpc_predict_v2.pb.cc",
+              "grpc_predict_v2.grpc.pb.cc", "-I.", "-o", binary.name, *flags.stdout.split()]]
+    for step in steps:
+        done = subprocess.run(step, cwd=BUILD_DIR, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            notes.append(f"gateway: gRPC C++ empty server skipped: its build failed: "
+                         f"{done.stderr.strip()[-300:]}")
+            print(f"note: {notes[-1]}", flush=True)
+            return None
+    return binary
+
+
+def compiled_floor_point(binary: Path, analyzer: tuple[Path, dict], gateway: str, model: str,
+                         workload: Workload, timing: Timing) -> dict:
+    """perf_analyzer against bench/grpc_floor.cc, which answers with what the real gateway
+    answered for ``model`` (so perf_analyzer sees the same metadata, config and outputs)."""
+    import grpc
+    # Triton's stubs of the same service: this process has tritonclient's protos loaded, and a
+    # second copy of the package "inference" cannot join protobuf's pool.
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    workdir = Path(tempfile.mkdtemp(prefix="grpc-floor-"))
+    with grpc.insecure_channel(gateway) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelInferRequest(model_name=model, inputs=[pb.ModelInferRequest.InferInputTensor(
+            name="x", datatype="FP32", shape=workload.input_shape)],
+            raw_input_contents=[workload.inputs[0].numpy().tobytes()])
+        answers = {"md.bin": stub.ModelMetadata(pb.ModelMetadataRequest(name=model), timeout=10),
+                   "cfg.bin": stub.ModelConfig(pb.ModelConfigRequest(name=model), timeout=10),
+                   "sm.bin": stub.ServerMetadata(pb.ServerMetadataRequest(), timeout=10),
+                   "inf.bin": stub.ModelInfer(request, timeout=10)}
+    for name, message in answers.items():
+        (workdir / name).write_bytes(message.SerializeToString())
+    address = f"127.0.0.1:{free_port()}"
+    server = subprocess.Popen([str(binary), address], cwd=workdir, stdout=subprocess.PIPE, text=True)
+    try:
+        if server.stdout.readline().strip() != "listening":
+            raise RuntimeError("bench/grpc_floor.cc did not start")
+        return perf_analyzer_point(analyzer, address, model, workload, 1, timing)
+    finally:
+        stop_process(server)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def empty_grpc_call(address: str, timing: Timing) -> dict:
@@ -897,6 +974,12 @@ def targets(rows: list[dict], workloads: dict[str, Workload]) -> list[dict]:
         report.append(check("W1@1 floor: (empty gRPC call p50 + native p50) / native p50", floor,
                             "<=", 1.5, f"ServerLive p50 {p50(empty)}: a gateway that is a client of "
                             "the frontend adds at least this to the native round trip"))
+        compiled = gw(rows, "W1", 1, COMPILED_FLOOR, False)
+        if compiled is not None:
+            floor = (compiled["p50_ms"] + native1["p50_ms"]) / native1["p50_ms"] if native1 else None
+            report.append(check("W1@1 floor of a compiled gRPC front: (C++ empty server p50 + "
+                                "native p50) / native p50", floor, "<=", 1.5,
+                                f"bench/grpc_floor.cc p50 {p50(compiled)} with perf_analyzer"))
         for batched in (False, True):
             rest, peer = gw(rows, "W1", 64, "REST binary", batched), best(peer_rows(rows, "W1", 64, batched))
             report.append(check(f"W1@64 gateway REST binary / fastest HTTP peer, batching "
