@@ -457,7 +457,6 @@ class AsyncClient:
         self._socket.connect(self.endpoint)
         self._fd = self._socket.getsockopt(zmq.FD)
         self._waiting: dict[Any, asyncio.Future] = {}
-        self._writable: list[asyncio.Future] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -508,7 +507,7 @@ class AsyncClient:
         timer = loop.call_later(timeout, _expire, future)
         try:
             for parts in messages:
-                await self._send(parts)
+                self._send(parts)
             return await future
         except asyncio.TimeoutError:
             raise _deadline_error(self.endpoint, timeout) from None
@@ -525,34 +524,20 @@ class AsyncClient:
             self._loop = loop
         return loop
 
-    async def _send(self, parts: list) -> None:
-        while True:
-            try:
-                send_parts(self._socket, parts, zmq.DONTWAIT)
-                break
-            except zmq.Again:  # no room (not with SNDHWM 0, but never block the loop)
-                waiter = asyncio.get_running_loop().create_future()
-                self._writable.append(waiter)
-                self._on_events()
-                await waiter
+    def _send(self, parts: list) -> None:
+        # Never waits: a connected DEALER without a high-water mark always has room (ZeroMQ
+        # queues for a peer that is away, as the blocking Client relies on across restarts).
+        send_parts(self._socket, parts)
         # ZeroMQ's descriptor is edge-triggered, and any operation on the socket may consume
         # the edge of a reply that has already arrived: look now, or it could wait for ever.
         self._on_events()
 
     def _on_events(self) -> None:
-        """Resolve every request whose reply has arrived, and wake senders waiting for room."""
+        """Resolve every request whose reply has arrived."""
         socket = self._socket
         if socket.closed:
             return
-        while True:
-            events = socket.getsockopt(zmq.EVENTS)
-            if events & zmq.POLLOUT and self._writable:
-                waiters, self._writable = self._writable, []
-                for waiter in waiters:
-                    if not waiter.done():
-                        waiter.set_result(None)
-            if not events & zmq.POLLIN:
-                return
+        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = recv_parts(socket, zmq.DONTWAIT)
             try:
                 header, payload = _parse_reply(frames)
@@ -568,7 +553,7 @@ class AsyncClient:
         self._closed = True
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
-        for future in [*self._waiting.values(), *self._writable]:
+        for future in self._waiting.values():
             if not future.done():
                 future.set_exception(RuntimeError("the client is closed"))
         self._socket.close(0)

@@ -13,14 +13,13 @@ import zmq
 _SNDMORE = int(zmq.SNDMORE)
 
 
-def send_parts(socket: zmq.Socket, parts: list, flags: int = 0) -> None:
+def send_parts(socket: zmq.Socket, parts: list) -> None:
     """Send a multipart message without copying large parts (pyzmq still copies parts below its
-    copy threshold, which is cheaper for them). With ``zmq.DONTWAIT``, zmq.Again comes from the
-    first part or not at all: ZeroMQ takes a multipart message whole once it took its first."""
+    copy threshold, which is cheaper for them)."""
     last = len(parts) - 1
     send = socket.send
     for index, part in enumerate(parts):
-        send(part, (_SNDMORE if index < last else 0) | (flags if index == 0 else 0), copy=False)
+        send(part, _SNDMORE if index < last else 0, copy=False)
 
 
 def recv_parts(socket: zmq.Socket, flags: int = 0) -> list:
