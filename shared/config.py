@@ -231,6 +231,17 @@ class DaemonConfig(_Strict):
     max_request_bytes: int = Field(default=2 * 1024**3, ge=1)
     max_unread_bytes_per_connection: int = Field(default=64 * 1024**2, ge=1)
     max_unread_bytes: int = Field(default=1024**3, ge=1)
+    # Shares per identity (supervisor/quotas.py; None: the default share of the daemon-wide cap)
+    # and the bytes shared memory may make the daemon commit (supervisor/buffers.py).
+    max_connections_per_identity: int | None = Field(default=None, ge=1)
+    max_buffers_per_identity: int | None = Field(default=None, ge=1)
+    max_buffer_bytes: int | None = Field(default=None, ge=1, description=(
+        "bytes of registered shared-memory buffers in all; default: half the host's memory"))
+    max_buffer_bytes_per_identity: int | None = Field(default=None, ge=1)
+    max_requests_per_identity: int | None = Field(default=None, ge=1)
+    max_request_bytes_per_identity: int | None = Field(default=None, ge=1)
+    max_shm_tensor_bytes: int = Field(default=1024**3, ge=1)
+    max_shm_request_bytes: int = Field(default=2 * 1024**3, ge=1)
     graceful_timeout: float = Field(default=30.0, ge=0)
     fatal_exits: bool = False  # exit with supervisor.health.EXIT_MODEL_FATAL when a model is all FATAL
     heartbeat_interval: float = Field(default=0.5, gt=0)
@@ -243,7 +254,9 @@ class DaemonConfig(_Strict):
 
     @field_validator("shm_threshold", "max_message_bytes", "max_request_bytes_per_connection",
                      "max_request_bytes", "max_unread_bytes_per_connection", "max_unread_bytes",
-                     mode="before")
+                     "max_buffer_bytes", "max_buffer_bytes_per_identity",
+                     "max_request_bytes_per_identity", "max_shm_tensor_bytes",
+                     "max_shm_request_bytes", mode="before")
     @classmethod
     def _sizes(cls, value: Any) -> int | None:
         return parse_size(value)

@@ -36,8 +36,8 @@ from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTT
                                          UNKNOWN_MODEL, ProtocolError)
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import accesslog, auth, gateway
-from modelwarden.supervisor.buffers import BufferRegistry
-from modelwarden.supervisor.channel import ChannelServer
+from modelwarden.supervisor.buffers import MAX_BUFFERS, BufferRegistry
+from modelwarden.supervisor.channel import MAX_CONNECTIONS as MAX_CHANNEL_CONNECTIONS, ChannelServer
 from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
 from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
 from modelwarden.supervisor.limits import check_message
@@ -46,6 +46,8 @@ from modelwarden.supervisor.health import EXIT_MODEL_FATAL, daemon_health
 from modelwarden.supervisor.placement import SlotPlacement, available_cores, plan
 from modelwarden.supervisor.pool import ModelPool
 from modelwarden.supervisor.probes import ProbeJudge, load_golden
+from modelwarden.supervisor import identity
+from modelwarden.supervisor.quotas import Quotas, max_buffer_bytes, shares_from
 from modelwarden.supervisor import reload
 from modelwarden.supervisor.router import Router
 from modelwarden.supervisor.standby import placement_for
@@ -71,8 +73,11 @@ class Arbiter:
         self.settings = settings
         self.clock = time.monotonic
         self.timers = Timers()
+        # Shares per identity; the connection share is fixed again once the marks are (run).
+        self.quotas = Quotas(shares_from(settings, MAX_CHANNEL_CONNECTIONS, MAX_BUFFERS),
+                             house=identity.uid_identity(os.geteuid()))
         self.router = Router(self)
-        self.registry = BufferRegistry()
+        self.registry = BufferRegistry(max_bytes=max_buffer_bytes(settings), quotas=self.quotas)
         self.buffer_channel: ChannelServer | None = None
         self.notifier = Notifier()
         self.service = ServiceReporter(self.notifier)
@@ -98,6 +103,7 @@ class Arbiter:
         self.poller = zmq.Poller()
         self.frontends: list[zmq.Socket] = []
         self._frontend_is_ipc: list[bool] = []
+        self._frontend_transport: list[str] = []  # how each frontend's peers are known (identity)
         self.backend: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
         self.connections: ConnectionGuard | None = None
@@ -125,7 +131,8 @@ class Arbiter:
         problem = self.settings.gateway is not None and gateway.cannot_run(self.settings)
         if problem:
             raise DaemonError(problem)
-        self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections)
+        self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections,
+                                           quotas=self.quotas)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         claim_private_dir(self.settings.private_dir)
         for endpoint in (self.settings.backend_endpoint, self.settings.admin_endpoint):
@@ -135,6 +142,7 @@ class Arbiter:
         self._open_buffer_channel()
         self._install_signal_handlers()
         self.connections.start(sum(len(pool.slots) for pool in self.pools.values()))
+        self._set_shares(self.settings)
         now = self.clock()
         self.timers.call_at(now + TICK, self._tick)
         if self.notifier.watchdog_interval:
@@ -208,11 +216,13 @@ class Arbiter:
                 sock = self._router_socket(endpoint, client_facing=True)
                 self.frontends.append(sock)
                 self._frontend_is_ipc.append(endpoint.startswith("ipc://"))
+                self._frontend_transport.append(
+                    identity.transport_of(endpoint, self.server_keys is not None))
                 self._on(sock, functools.partial(self._on_frontend, index))
                 self._watch_connections(sock, endpoint, pausable=True)
             self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
             self._on(self.control, self._on_control)
-            self._watch_connections(self.control, self.settings.control_endpoint, pausable=False)
+            self._watch_connections(self.control, self.settings.control_endpoint, pausable=True)
         finally:
             os.umask(old_umask)
         self._bind_private()
@@ -369,7 +379,8 @@ class Arbiter:
             return
         kind = header.get("type")
         if kind == "infer":
-            self.router.accept_infer(sock, (index, frames[0].bytes), envelope, header)
+            self.router.accept_infer(sock, (index, frames[0].bytes), envelope, header,
+                                     identity.of_message(frames[0], self._frontend_transport[index]))
             return
         request_id = protocol.request_id_of(header)
         try:
@@ -393,8 +404,12 @@ class Arbiter:
             self.registry, self.settings.runtime_dir / "buffers.sock", self.settings.daemon.shm_group,
             watch=self._on, unwatch=self._off,
             pause=lambda delay, then: self.timers.call_at(self.clock() + delay, then),
-            on_revoked=self.forget_buffers, admit=self.connections.can_accept)
+            on_revoked=self.forget_buffers, guard=self.connections, clock=self.clock)
         self.buffer_channel.listen()
+        self.connections.add_listener(self.buffer_channel)
+
+    def _set_shares(self, settings: Settings) -> None:
+        self.quotas.shares = shares_from(settings, self.connections.high_water, self.registry.total)
 
     def _hello(self, index: int) -> dict:
         daemon = self.settings.daemon
@@ -708,6 +723,7 @@ class Arbiter:
         changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
         judges = self._new_judges(new, changes)  # may refuse: nothing is touched before this
         self.settings = new
+        self._set_shares(new)  # the requests' share follows the models' max_queue
         for name in changes.removed:
             self.pools[name].retire(f"model {name} removed by a reload")
             self.leaving_pools.append(self.pools[name])

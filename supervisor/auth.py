@@ -72,9 +72,10 @@ def read_server_keys(settings: Settings) -> ServerKeys | None:
     return ServerKeys(public, secret)
 
 
-def read_client_keys(directory: Path) -> dict[bytes, bool]:
-    """Every public key in ``directory/*.key``, in pyzmq's certs format; ConfigError naming the
-    directory or the file that cannot be read."""
+def read_client_keys(directory: Path) -> dict[bytes, str]:
+    """Every public key in ``directory/*.key``, in pyzmq's certs format (a true value per key):
+    the value is the client's identity, ``key:`` and the file's name without ``.key``
+    (supervisor/identity.py); ConfigError naming the directory or the file that cannot be read."""
     key = "daemon.curve.client_keys"
     if not directory.is_dir():
         raise ConfigError(key, f"{directory} is not a directory")
@@ -82,13 +83,13 @@ def read_client_keys(directory: Path) -> dict[bytes, bool]:
     if not os.access(directory, os.R_OK | os.X_OK):
         raise ConfigError(key, f"cannot read {directory}: permission denied")
     paths = sorted(directory.glob("*.key"))
-    keys: dict[bytes, bool] = {}
+    keys: dict[bytes, str] = {}
     for path in paths:
         try:
             public, _ = read_key_file(path)
         except ValueError as exc:
             raise ConfigError(key, str(exc)) from None
-        keys[public] = True
+        keys[public] = f"key:{path.stem}"
     return keys
 
 
@@ -171,6 +172,10 @@ class ZapHandler(Authenticator):
         _finish_now(self.handle_zap_message(message))
         if self._last_status != ZAP_OK:
             self._report_refusal(message)
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        """The admitted client's identity, which libzmq attaches to its every message."""
+        return self.certs[ZAP_DOMAIN].get(z85.encode(client_public_key), "key:?")
 
     def _send_zap_reply(self, request_id, status_code, status_text, user_id="anonymous") -> None:
         # Every answer passes here: remember it so on_request knows a refusal from an admission.

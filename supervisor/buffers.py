@@ -17,7 +17,12 @@ opened a 0600 segment on a stranger's behalf, the sweeper could be stopped):
     before any worker sees the request;
   * tokens never appear in logs, errors, status or any process's command line or environment;
     a peer is logged by its SO_PEERCRED pid/uid/gid;
-  * every count is bounded: descriptors per message, buffers per connection, buffers in all.
+  * every count is bounded: descriptors per message, buffers per connection, buffers in all;
+    and so are bytes, by what a buffer can make the daemon commit (its size, which a worker may
+    fault in), not by counts: ``max_buffer_bytes`` in all, and per identity (the peer's uid) a
+    share of the buffers and of the bytes (supervisor/quotas.py). A buffer larger than an
+    identity's whole share is refused outright (BAD_REQUEST); one that does not fit now is
+    OVERLOADED, and fits once the identity's earlier buffers are unregistered.
 The supervisor itself never maps a buffer: it only fstat()s it and hands the descriptor on.
 """
 
@@ -28,7 +33,9 @@ import secrets
 from dataclasses import dataclass, field
 
 from modelwarden.shared import shm
-from modelwarden.shared.protocol import BAD_REQUEST, BUFFER_NOT_REGISTERED, ProtocolError, bad
+from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, OVERLOADED,
+                                         ProtocolError, bad)
+from modelwarden.supervisor.quotas import Quotas
 
 MAX_BUFFERS_PER_CONNECTION = 4096
 MAX_BUFFERS = 16384
@@ -43,6 +50,10 @@ class Peer:
     gid: int
     tokens: set[str] = field(default_factory=set)
 
+    @property
+    def identity(self) -> str:
+        return f"uid:{self.uid}"
+
     def __str__(self) -> str:
         return f"pid {self.pid} uid {self.uid} gid {self.gid}"
 
@@ -56,9 +67,13 @@ class Buffer:
 
 class BufferRegistry:
     def __init__(self, per_connection: int = MAX_BUFFERS_PER_CONNECTION,
-                 total: int = MAX_BUFFERS) -> None:
+                 total: int = MAX_BUFFERS, max_bytes: int | None = None,
+                 quotas: Quotas | None = None) -> None:
         self.per_connection = per_connection
         self.total = total
+        self.max_bytes = max_bytes  # None: no cap on the bytes in all (unit tests)
+        self.quotas = quotas
+        self.bytes = 0
         self._buffers: dict[str, Buffer] = {}
 
     def register(self, peer: Peer, fds: list[int]) -> list[str]:
@@ -67,7 +82,8 @@ class BufferRegistry:
         if len(peer.tokens) + len(fds) > self.per_connection:
             raise bad(f"a connection may register at most {self.per_connection} buffers")
         if len(self._buffers) + len(fds) > self.total:
-            raise bad(f"the daemon holds its maximum of {self.total} buffers; retry later")
+            raise ProtocolError(OVERLOADED, f"the daemon holds its maximum of {self.total} "
+                                "buffers; retry later")
         sizes = []
         for index, fd in enumerate(fds):
             size = shm.sealed_size(fd)
@@ -75,13 +91,33 @@ class BufferRegistry:
                 raise bad(f"descriptor {index} is not a sealed memfd (a regular file of size > 0 "
                           "sealed with F_SEAL_SHRINK)")
             sizes.append(size)
+        self._take_shares(peer, len(fds), sum(sizes), max(sizes))
         tokens = []
         for fd, size in zip(fds, sizes):
             token = secrets.token_hex(16)
             self._buffers[token] = Buffer(fd, size, peer)
             peer.tokens.add(token)
             tokens.append(token)
+        self.bytes += sum(sizes)
         return tokens
+
+    def _take_shares(self, peer: Peer, count: int, nbytes: int, largest: int) -> None:
+        """The identity's buffers and bytes, then the daemon's bytes; all or none taken."""
+        quotas, identity = self.quotas, peer.identity
+        if quotas is not None and identity != quotas.house and largest > quotas.shares.buffer_bytes:
+            raise bad(f"a buffer of {largest} bytes is larger than {identity}'s whole share "
+                      f"(max_buffer_bytes_per_identity {quotas.shares.buffer_bytes})")
+        if self.max_bytes is not None and self.bytes + nbytes > self.max_bytes:
+            raise ProtocolError(OVERLOADED, f"the daemon holds {self.bytes} bytes of buffers; "
+                                f"{nbytes} more would pass max_buffer_bytes ({self.max_bytes}); "
+                                "retry later")
+        if quotas is not None:
+            quotas.take(identity, "buffers", count)
+            try:
+                quotas.take(identity, "buffer_bytes", nbytes)
+            except ProtocolError:
+                quotas.give_back(identity, "buffers", count)
+                raise
 
     def unregister(self, peer: Peer, tokens: list[str]) -> list[str]:
         """Revoke those of ``tokens`` that ``peer`` registered; returns them."""
@@ -96,6 +132,10 @@ class BufferRegistry:
             buffer = self._buffers.pop(token)
             buffer.peer.tokens.discard(token)
             os.close(buffer.fd)
+            self.bytes -= buffer.size
+            if self.quotas is not None:
+                self.quotas.give_back(buffer.peer.identity, "buffers")
+                self.quotas.give_back(buffer.peer.identity, "buffer_bytes", buffer.size)
         return tokens
 
     def check(self, region: tuple[str, int, int], what: str) -> None:

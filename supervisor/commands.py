@@ -20,6 +20,7 @@ the one-line reason; the CLI exits 2 for it, as for a bad file at start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import TYPE_CHECKING, Any
 
@@ -174,7 +175,8 @@ def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
                                      "admin": arbiter.settings.admin_endpoint},
                        "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
                        "limits": limits_snapshot(arbiter),
-                       "buffers": len(arbiter.registry)},
+                       "buffers": len(arbiter.registry), "buffer_bytes": arbiter.registry.bytes,
+                       "identities": arbiter.quotas.view()},
             "models": models, "workers": workers,
             **({"gateway": arbiter.gateway.row()} if arbiter.gateway is not None else {})}
 
@@ -247,7 +249,12 @@ def limits_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
     return {"connections": guard.connections if guard else None,
             "max_connections": guard.high_water if guard else None,
             "listeners_paused": guard.paused if guard else False,
-            "request_bytes": router.request_bytes.total, "unread_reply_bytes": router.replies.total}
+            "fd_limit": guard.fd_limit if guard else None,
+            "fd_reserve": guard.reserve if guard else None,
+            "open_fds": guard.open if guard else None,
+            "request_bytes": router.request_bytes.total, "unread_reply_bytes": router.replies.total,
+            "buffer_bytes": arbiter.registry.max_bytes,
+            "per_identity": dataclasses.asdict(arbiter.quotas.shares)}
 
 
 def status_table(status: dict) -> str:
@@ -268,6 +275,7 @@ def status_table(status: dict) -> str:
                  for row in rows)
     if status.get("gateway"):
         lines.append(_gateway_text(status["gateway"]))
+    lines.extend(_identity_line(row) for row in daemon.get("identities", [])[:IDENTITY_LINES])
     for worker in status["workers"]:
         if worker.get("error") or (worker["state"] != "READY" and worker.get("last_exit")):
             error = f"; {worker['error']}" if worker.get("error") else ""
@@ -275,6 +283,16 @@ def status_table(status: dict) -> str:
                      if worker.get("retry_in_s") is not None else "")
             lines.append(f"{worker['id']}: last exit {worker.get('last_exit')}{error}{retry}")
     return "\n".join(lines)
+
+
+IDENTITY_LINES = 8  # the largest holders; --json lists up to quotas.SHOWN_IDENTITIES
+
+
+def _identity_line(row: dict) -> str:
+    """What one identity holds (supervisor/quotas.py): its connections, buffers, requests."""
+    return (f"identity {row['identity']}: {row['connections']} connections, {row['buffers']} "
+            f"buffers ({_bytes(row['buffer_bytes'])}), {row['requests']} requests "
+            f"({_bytes(row['request_bytes'])}) in flight")
 
 
 def _gateway_text(gateway: dict) -> str:

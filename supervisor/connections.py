@@ -19,11 +19,24 @@ So the descriptor table must never fill. The contract:
    +1, ``DISCONNECTED`` -1; a connection that never finishes its handshake is dropped by libzmq
    after ``ZMQ_HANDSHAKE_IVL``, 30 s, and counted down then). The monitors sit in the loop's one
    poller.
-3. At the high-water mark -- ``max_connections`` client connections, or fewer than ``reserve``
-   descriptors left -- the frontend listeners are *paused*: the kernel stops handing them
-   connections while every connection already accepted keeps being served. Below the low-water
-   mark (90 % of the high-water mark, and as many descriptors above the reserve free) they
-   resume. Both are logged.
+3. One account for every descriptor an outsider can make the supervisor hold: connections on
+   every listener (the frontends and ``control.sock``, counted by their monitors; ``buffers.sock``
+   and the metrics port, which the loop accepts on itself and ``charge``s), the descriptors
+   received over ``buffers.sock`` (charged the moment ``recvmsg`` installed them, refunded when
+   they are closed or revoked) and nothing else: the supervisor never maps a buffer. The count
+   of open descriptors is measured at each tick and kept current between ticks by those events.
+4. At the high-water mark -- ``max_connections`` client connections, or fewer than ``reserve``
+   descriptors left -- *every* outsider-facing listener is paused: the frontends,
+   ``control.sock``, ``buffers.sock`` and the metrics port. The kernel stops handing them
+   connections while every connection already accepted keeps being served, and registrations
+   are refused (``can_take``) with a typed OVERLOADED. Below the low-water mark (90 % of the
+   high-water mark, and as many descriptors above the reserve free) they resume. Both are
+   logged. The admin socket (private: the operator's way in, ``status`` included) and the
+   backend (the workers') are never paused; the reserve keeps their descriptors.
+5. Each identity (supervisor/identity.py) may hold a share of the connections
+   (``max_connections_per_identity``, supervisor/quotas.py). A connection over its identity's
+   share is shut down (``shutdown(2)`` on libzmq's descriptor, which libzmq then closes) as soon
+   as the loop sees its ACCEPTED event; one on a listener the loop accepts itself is closed.
 
 Pausing is not ``zmq_unbind``: unbinding terminates the listener together with every session it
 accepted (they are its children in libzmq's object tree), which would drop the clients already
@@ -35,19 +48,20 @@ being served. Instead:
 * a ``tcp://`` listener gets a classic BPF filter that drops every packet (``SO_ATTACH_FILTER``):
   the kernel runs a listening socket's filter on each SYN, so new clients are not answered (their
   SYNs are retransmitted, and connect once the listener resumes); connections accepted before
-  keep their own (empty) filter; resuming detaches it.
+  keep their own (empty) filter; resuming detaches it;
+* a listener the loop accepts on itself (``buffers.sock``, metrics) is taken out of the poller:
+  what connects meanwhile waits in its backlog, or is refused once the backlog is full.
 
-The control endpoint is counted but never paused (it is the operator's way in; its directory is
-private), nor is the backend (the workers'). Bursts: the I/O thread accepts whatever arrives until
-the loop has paused the listener, and connections already queued in the kernel (at most
-``BACKLOG`` per listener) are accepted after the pause. ``reserve`` covers both: ``RESERVE_BASE``
-for the daemon's own descriptors (worker sentinels and backend connections, a respawn's pipes,
-``buffers.sock`` and the memfds it passes) plus ``BACKLOG + BURST`` per paused listener, where
-``BURST`` is the accepts one loop pass may let through.
+Bursts: the I/O thread accepts whatever arrives until the loop has paused a ZeroMQ listener,
+and connections already queued in the kernel (at most ``BACKLOG`` per listener) are accepted
+after the pause. ``reserve`` covers both: ``RESERVE_BASE`` for the daemon's own descriptors
+(worker sentinels and backend connections, a respawn's pipes, the admin socket's connections)
+plus ``BACKLOG + BURST`` per paused ZeroMQ listener, plus one ``buffers.sock`` message's worth of
+descriptors (``MAX_FDS_PER_MESSAGE``: the kernel installs them before the loop can refuse them).
 
-``can_accept()`` is for listeners the loop accepts on itself (plain sockets): when it says no,
-accept and close at once (a level-triggered poll would otherwise spin) -- the reserve pays the
-one descriptor for that moment.
+``can_accept()`` is for listeners the loop accepts on itself: when it says no, accept and close
+at once (a level-triggered poll would otherwise spin) -- the reserve pays the one descriptor for
+that moment.
 """
 
 from __future__ import annotations
@@ -61,8 +75,13 @@ import stat
 import struct
 import time
 from pathlib import Path
+from typing import Protocol
 
 import zmq
+
+from modelwarden.shared.fdchannel import MAX_FDS_PER_MESSAGE
+from modelwarden.supervisor.identity import of_descriptor
+from modelwarden.supervisor.quotas import Quotas
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +171,14 @@ class Listener:
         return self._path.with_name(f".{self._path.name}.paused")
 
 
+def _shutdown(fd: int) -> None:
+    sock = socket.socket(fileno=fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    finally:
+        sock.detach()
+
+
 def _setsockopt_fd(fd: int, option: int, value: bytes) -> None:
     sock = socket.socket(fileno=fd)
     try:
@@ -185,20 +212,37 @@ def _listening_fd(last_endpoint: str) -> int | None:
     return None
 
 
+class Pausable(Protocol):
+    """A listener the guard pauses and resumes (``Listener`` below, ``ChannelServer``, metrics)."""
+
+    endpoint: str
+    paused: bool
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+
 class ConnectionGuard:
-    """Counts client connections and pauses/resumes the frontend listeners around the marks."""
+    """The descriptor account: counts client connections and descriptors held for outsiders,
+    pauses and resumes every outsider-facing listener around the marks, and keeps each
+    identity's connections within its share."""
 
     def __init__(self, fd_limit: int, max_connections: int | None, count_fds=open_fds,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, quotas: Quotas | None = None) -> None:
         self.fd_limit = fd_limit
         self.clock = clock
         self.failed_handshakes: dict[str, list] = {}  # endpoint -> [count since the last line, its time]
         self.max_connections = max_connections
         self.count_fds = count_fds
+        self.quotas = quotas
         self.connections = 0
         self.paused = False
-        self.listeners: list[Listener] = []
+        self.listeners: list[Pausable] = []
         self.monitors: list[zmq.Socket] = []
+        self._peers: dict[tuple[int, int], str] = {}  # (monitor, fd) -> the connection's identity
+        self.shut: dict[str, list] = {}  # identity -> [connections shut since the last line, its time]
+        self.open = count_fds()  # descriptors open now: measured each tick, kept current between
         self.reserve = RESERVE_BASE
         self.high_water = MIN_HIGH_WATER
         self.low_water = MIN_HIGH_WATER - 1
@@ -212,11 +256,19 @@ class ConnectionGuard:
         self.monitors.append(monitor)
         return monitor
 
+    def add_listener(self, listener: Pausable) -> None:
+        """A listener the loop accepts on itself: paused and resumed with the others."""
+        self.listeners.append(listener)
+        if self.paused:
+            listener.pause()
+
     def start(self, worker_slots: int) -> None:
         """Fix the marks once every socket is bound: what is open now is the daemon's own."""
-        paused = sum(listener.pausable for listener in self.listeners)
-        self.reserve = RESERVE_BASE + (BACKLOG + BURST) * paused + FDS_PER_WORKER * worker_slots
-        room = self.fd_limit - self.count_fds() - self.reserve
+        zmq_listeners = sum(isinstance(each, Listener) and each.pausable for each in self.listeners)
+        self.reserve = (RESERVE_BASE + (BACKLOG + BURST) * zmq_listeners
+                        + FDS_PER_WORKER * worker_slots + MAX_FDS_PER_MESSAGE)
+        self.open = self.count_fds()
+        room = self.fd_limit - self.open - self.reserve
         if room < MIN_HIGH_WATER:
             logger.warning("file-descriptor limit %d leaves room for %d client connections "
                            "(reserve %d); raise LimitNOFILE", self.fd_limit, max(room, 0), self.reserve)
@@ -224,6 +276,33 @@ class ConnectionGuard:
         self.low_water = min(self.high_water * 9 // 10, self.high_water - 1)
         logger.info("client connections: at most %d (fd limit %d, reserve %d)",
                     self.high_water, self.fd_limit, self.reserve)
+
+    def opened(self) -> None:
+        """A listener the loop serves itself accepted a connection (its identity's share was
+        taken by the caller)."""
+        self.connections += 1
+        self.charge(1)
+        if not self.paused and self.connections >= self.high_water:
+            self._pause()
+
+    def closed(self) -> None:
+        self.connections = max(0, self.connections - 1)
+        self.refund(1)
+
+    def charge(self, count: int) -> None:
+        """``count`` descriptors were just opened for an outsider (a connection accepted by the
+        loop, descriptors received): at the mark, pause before the next one."""
+        self.open += count
+        if not self.paused and self._free() < self.reserve:
+            self._pause()
+
+    def refund(self, count: int) -> None:
+        """``count`` descriptors charged before are closed."""
+        self.open -= count
+
+    def can_take(self, count: int = 0) -> bool:
+        """May outsiders hold ``count`` more descriptors, beyond those already charged?"""
+        return self._free() - count >= self.reserve
 
     def on_monitor(self, monitor: zmq.Socket) -> None:
         """Take every event waiting on one monitor, then decide once."""
@@ -234,15 +313,52 @@ class ConnectionGuard:
                 break
             event, value = struct.unpack("=HI", frames[0][:6])
             if event == zmq.EVENT_ACCEPTED:
-                self.connections += 1
+                self._accepted(monitor, value)
             elif event == zmq.EVENT_DISCONNECTED:
-                self.connections = max(0, self.connections - 1)
+                self._disconnected(monitor, value)
             elif event == zmq.EVENT_ACCEPT_FAILED:
                 logger.warning("accept failed on %s: %s", frames[1].decode(errors="replace"),
                                os.strerror(value) if value else "unknown error")
             elif event in HANDSHAKE_FAILED:
                 self._handshake_failed(frames[1].decode(errors="replace"))
         self._decide()
+
+    def _accepted(self, monitor: zmq.Socket, fd: int) -> None:
+        self.connections += 1
+        self.open += 1
+        if self.quotas is None:
+            return
+        identity = of_descriptor(fd)
+        self._peers[(id(monitor), fd)] = identity
+        over = not self.quotas.allows(identity, "connections")
+        self.quotas.count(identity, "connections")  # held until its DISCONNECTED, shut or not
+        if over:
+            # libzmq owns the descriptor: shutting it down (not closing it) makes libzmq see the
+            # end of the stream and close it itself, with a DISCONNECTED event.
+            try:
+                _shutdown(fd)
+            except OSError:  # closed already: its DISCONNECTED event follows
+                pass
+            self._shut_over_share(identity)
+
+    def _disconnected(self, monitor: zmq.Socket, fd: int) -> None:
+        self.connections = max(0, self.connections - 1)
+        self.open -= 1
+        identity = self._peers.pop((id(monitor), fd), None)
+        if identity is not None and self.quotas is not None:
+            self.quotas.give_back(identity, "connections")
+
+    def _shut_over_share(self, identity: str) -> None:
+        """Say so at most once a minute per identity, with a count."""
+        entry = self.shut.setdefault(identity, [0, None])
+        entry[0] += 1
+        now = self.clock()
+        if entry[1] is None or now - entry[1] >= HANDSHAKE_LOG_EVERY_S:
+            logger.warning("shut %d connection(s) of %s over its share "
+                           "(max_connections_per_identity %d)%s", entry[0], identity,
+                           self.quotas.shares.connections,
+                           "" if entry[1] is None else " in the last minute")
+            entry[0], entry[1] = 0, now
 
     def _handshake_failed(self, endpoint: str) -> None:
         """Count a refused handshake; say so at most once a minute per endpoint."""
@@ -256,13 +372,14 @@ class ConnectionGuard:
             entry[0], entry[1] = 0, now
 
     def tick(self) -> None:
-        """While paused, descriptors may come back without a connection event (a worker gone)."""
-        if self.paused:
-            self._decide()
+        """Measure what is open (descriptors come and go without events: a worker gone, a
+        respawn's pipes), then decide."""
+        self.open = self.count_fds()
+        self._decide()
 
     def can_accept(self) -> bool:
         """May a listener the loop serves itself accept one more connection now?"""
-        return not self.paused and self.fd_limit - self.count_fds() > self.reserve
+        return not self.paused and self._free() > self.reserve
 
     def _decide(self) -> None:
         if not self.paused:
@@ -273,7 +390,7 @@ class ConnectionGuard:
             self._resume()
 
     def _free(self) -> int:
-        return self.fd_limit - self.count_fds()
+        return self.fd_limit - self.open
 
     def _pause(self) -> None:
         self.paused = True
@@ -299,7 +416,7 @@ class ConnectionGuard:
     def close(self) -> None:
         """Put paused socket files back (libzmq unlinks them at close) and stop the monitors."""
         for listener in self.listeners:
-            if listener.paused:
+            if isinstance(listener, Listener) and listener.paused:
                 try:
                     listener.resume()
                 except OSError:

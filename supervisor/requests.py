@@ -38,6 +38,7 @@ class Request:
     alone: bool = False  # it was in a batch when its worker died: from now on it runs alone
     queued_under_load: bool = False  # it found no worker with room (or a queue): it may wait
     batch_size: int = 1  # the size of the batch it was last dispatched in
+    identity: str = "-"  # whose shares it counts against (supervisor/quotas.py)
 
 
 class Refused(NamedTuple):

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from modelwarden.shared.config import Settings
     from modelwarden.supervisor.buffers import BufferRegistry
     from modelwarden.supervisor.pool import ModelPool
+    from modelwarden.supervisor.quotas import Quotas
     from modelwarden.supervisor.timers import Timers
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class RouterHost(Protocol):
     * ``clock()`` (monotonic seconds) and ``timers``: deadlines and batch holds;
     * ``stopping``: new requests get SHUTTING_DOWN;
     * ``registry`` and ``shm_offered(frontend)``: shared-memory regions are checked there;
+    * ``quotas``: each request counts against its identity's share (supervisor/quotas.py);
     * ``backend``: the ROUTER socket the workers are reached on (by routing id).
     """
 
@@ -66,6 +68,7 @@ class RouterHost(Protocol):
     timers: "Timers"
     stopping: bool
     registry: "BufferRegistry"
+    quotas: "Quotas"
     backend: zmq.Socket
 
     def clock(self) -> float: ...
@@ -96,7 +99,9 @@ class Router:
     # -- intake -----------------------------------------------------------------------------
 
     def accept_infer(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
-                     header: dict) -> None:
+                     header: dict, identity: str = "-") -> None:
+        """``connection`` is (frontend index, routing id); ``identity`` whose shares the request
+        counts against (supervisor/identity.py)."""
         host = self.host
         request_id = protocol.request_id_of(header)
         pool = None
@@ -122,7 +127,7 @@ class Router:
             if refusal is not None:
                 raise ProtocolError(OVERLOADED, refusal)
             nbytes = payload_bytes(envelope.payload)
-            self.request_bytes.take(connection, nbytes)  # last: nothing may refuse it after this
+            self._take_budgets(connection, identity, nbytes)  # last: nothing refuses it after this
         except ProtocolError as exc:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
             if self.observers:
@@ -135,7 +140,7 @@ class Router:
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
         request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
                           envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
-                          connection=connection, nbytes=nbytes, buffers=buffers)
+                          connection=connection, nbytes=nbytes, buffers=buffers, identity=identity)
         request.timer = host.timers.call_at(request.deadline, self.expire, request)
         request.arrived = now
         batch = pool.config.batching
@@ -146,8 +151,27 @@ class Router:
         queue.append(request)
         self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
 
+    def _take_budgets(self, connection: tuple, identity: str, nbytes: int) -> None:
+        """The identity's share of requests and bytes, then the connection's and the daemon's
+        bytes; all or nothing."""
+        quotas = self.host.quotas
+        quotas.take(identity, "requests")
+        try:
+            if nbytes:
+                quotas.take(identity, "request_bytes", nbytes)
+            try:
+                self.request_bytes.take(connection, nbytes)
+            except ProtocolError:
+                quotas.give_back(identity, "request_bytes", nbytes)
+                raise
+        except ProtocolError:
+            quotas.give_back(identity, "requests")
+            raise
+
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
-        """The tokens the request uses, each checked: registered, and the region inside it."""
+        """The tokens the request uses, each checked: registered, the region inside it, and its
+        bytes -- what a worker will fault in -- within max_shm_tensor_bytes and, in all,
+        max_shm_request_bytes."""
         tokens = parsed.buffers()
         if not tokens:
             return ()
@@ -155,11 +179,21 @@ class Router:
             raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
                                 "with daemon.shm = true")
         registry = self.host.registry
-        for index, desc in enumerate(parsed.tensors):
-            if desc.shm is not None:
-                registry.check(desc.shm, f"tensor {index}")
+        regions = [(f"tensor {index}", desc.shm) for index, desc in enumerate(parsed.tensors)
+                   if desc.shm is not None]
         if parsed.out is not None:
-            registry.check(parsed.out, "'out'")
+            regions.append(("'out'", parsed.out))
+        daemon = self.host.settings.daemon
+        total = 0
+        for what, region in regions:
+            registry.check(region, what)
+            if region[2] > daemon.max_shm_tensor_bytes:
+                raise ProtocolError(BAD_REQUEST, f"{what}: {region[2]} bytes in shared memory "
+                                    f"exceed max_shm_tensor_bytes ({daemon.max_shm_tensor_bytes})")
+            total += region[2]
+        if total > daemon.max_shm_request_bytes:
+            raise ProtocolError(BAD_REQUEST, f"the request names {total} bytes of shared memory; "
+                                f"max_shm_request_bytes is {daemon.max_shm_request_bytes}")
         return tuple(tokens)
 
     # -- dispatch ---------------------------------------------------------------------------
@@ -363,6 +397,10 @@ class Router:
         self.host.timers.cancel(request.timer)
         self.pending.pop(request.rid, None)
         self.request_bytes.give_back(request.connection, request.nbytes)
+        quotas = self.host.quotas
+        quotas.give_back(request.identity, "requests")
+        if request.nbytes:
+            quotas.give_back(request.identity, "request_bytes", request.nbytes)
         parts = [*request.route, SIGNATURE, header]
         if frames:
             parts.extend(frames)

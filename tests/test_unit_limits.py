@@ -84,7 +84,7 @@ def test_the_guard_pauses_when_descriptors_run_low_whatever_the_count():
     guard.start(worker_slots=0)
     assert guard.high_water == 1000 - 100 - guard.reserve
     fds["open"] = 1000 - guard.reserve + 1  # something else took descriptors
-    guard._decide()
+    guard.tick()  # measured at each tick
     assert guard.paused
     fds["open"] = 100
     guard.tick()

@@ -18,6 +18,7 @@ from modelwarden.shared.config import DaemonConfig, Settings
 from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.shared.sockets import recv_parts
 from modelwarden.supervisor.buffers import BufferRegistry
+from modelwarden.supervisor.quotas import Quotas, Shares, shares_from
 from modelwarden.supervisor.router import Router, RouterHost
 from tests.test_unit_pool import FakeHost, exit_with, make_pool, ready
 
@@ -32,6 +33,7 @@ class FakeRouterHost(FakeHost):
         self.settings = Settings(daemon=DaemonConfig())
         self.pools: dict = {}
         self.registry = BufferRegistry()
+        self.quotas = Quotas(shares_from(self.settings, 64, 64), house="-")  # requests here have no identity
         name = f"inproc://router-test-{next(_ports)}"
         self.backend = context.socket(zmq.ROUTER)
         self.backend.bind(name + "-backend")
@@ -86,7 +88,8 @@ class Harness:
     def handles(self):
         return self.host.launched
 
-    def send(self, rows: int = 1, timeout_ms: int | None = None, width: int = 8) -> int:
+    def send(self, rows: int = 1, timeout_ms: int | None = None, width: int = 8,
+             identity: str = "-") -> int:
         """A client request, as the arbiter hands it to the router; returns its client id."""
         client_id = next(self._ids)
         header = {"type": "infer", "id": client_id, "model": self.pool.name, "inputs": 0,
@@ -98,7 +101,7 @@ class Harness:
         frames = recv_parts(self.host.frontend)
         envelope = protocol.split_router_message(frames)
         self.router.accept_infer(self.host.frontend, (0, frames[0].bytes), envelope,
-                                 protocol.unpack_header(envelope.header.buffer))
+                                 protocol.unpack_header(envelope.header.buffer), identity)
         self.router.dispatch_wanted()
         self.sent[client_id] = [protocol.pack(header), payload]
         return client_id
@@ -281,3 +284,26 @@ def test_a_worker_error_reply_is_relayed_unchanged(context):
     assert header == {"id": client_id, "ok": False, "worker": worker.worker_id,
                       "error": {"code": "MODEL_ERROR", "message": "boom"}}
     assert payload == [] and worker.errors == 1
+
+
+def test_an_identity_past_its_share_of_requests_is_overloaded_and_others_are_served(context):
+    rig = Harness(context, max_queue=8)
+    rig.host.quotas = Quotas(Shares(connections=4, buffers=4, buffer_bytes=1 << 20, requests=2,
+                                    request_bytes=1 << 20))
+    worker = rig.handles[0]
+    first = rig.send(identity="uid:1001")
+    rig.send(identity="uid:1001")  # queued: the worker holds the first
+    refused = rig.send(identity="uid:1001")
+    reply, _ = rig.client_receives()
+    assert reply["id"] == refused and reply["error"]["code"] == protocol.OVERLOADED
+    assert "max_requests_per_identity (2)" in reply["error"]["message"]
+    rig.send(identity="uid:1002")  # another identity is accepted (and queued)
+    assert rig.router.queued(rig.pool) == 2
+    assert rig.host.quotas.holding("uid:1001", "requests") == 2
+    run, _ = rig.worker_receives(worker)
+    rig.answer(worker, run["rid"], first)
+    reply, _ = rig.client_receives()
+    assert reply["id"] == first and reply["ok"]
+    assert rig.host.quotas.holding("uid:1001", "requests") == 1  # given back with the answer
+    third = rig.send(identity="uid:1001")
+    assert rig.client_idle() and rig.host.quotas.holding("uid:1001", "requests") == 2, third
