@@ -8,6 +8,7 @@ shared memory). No sockets here: Client, its I/O thread and AsyncClient own thos
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import threading
 import weakref
@@ -23,8 +24,10 @@ from modelwarden.shared.codec import (copy_into, dtype_name, encode, frame_tenso
 from modelwarden.shared.descriptors import InferReply, ReplyError, parse_reply
 from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout
 from modelwarden.shared.fdchannel import BufferChannel
-from modelwarden.shared.protocol import SIGNATURE, TensorDesc
+from modelwarden.shared.protocol import SIGNATURE, ProtocolError, TensorDesc
 from modelwarden.shared.shm import ALIGN, Region, ShmArena
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,12 +116,26 @@ class Session:
             if where:
                 pending.tokens.add(where[0].token)
                 return where[0].token, where[1], nbytes
-            region = arena.alloc(nbytes)
+            region = self._alloc(nbytes)
+            if region is None:
+                return None
             pending.regions.append(region)
             pending.tokens.add(region.segment.token)
             copy_into(region.bytes_view(0, nbytes), tensor, dtype, parallel=False)
             return region.segment.token, region.offset, nbytes
         return stage
+
+    def _alloc(self, nbytes: int) -> Region | None:
+        """A region, or None when the daemon refuses another buffer now (OVERLOADED: this
+        user's share of buffers or the daemon's descriptors is spent): the tensor then travels
+        inline, as it would over tcp."""
+        try:
+            return self.arena.alloc(nbytes)
+        except ProtocolError as exc:
+            if exc.code != protocol.OVERLOADED:
+                raise
+            logger.debug("shared memory refused (%s): inline instead", exc.message)
+            return None
 
     def _out_region(self, model: str, descs: list[dict], pending: Pending) -> list | None:
         if self.arena is None:
@@ -129,7 +146,9 @@ class Session:
                         if nbytes >= self.threshold)
         if guess < self.threshold:
             return None
-        region = self.arena.alloc(guess)
+        region = self._alloc(guess)
+        if region is None:
+            return None
         pending.regions.append(region)
         pending.tokens.add(region.segment.token)
         pending.out_token = region.segment.token
@@ -222,9 +241,10 @@ class Session:
         name = dtype_name(dtype)
         shape = tuple(shape)
         nbytes = protocol.tensor_nbytes(name, shape)
-        if nbytes < self.threshold:
+        region = self._alloc(nbytes) if nbytes >= self.threshold else None
+        if region is None:
             return torch.empty(shape, dtype=dtype)
-        region = self.arena.alloc(nbytes)  # the tensor holds the one reference
+        # the tensor holds the one reference
         view = region.bytes_view(0, nbytes)
         weakref.finalize(view, region.release)
         return from_bytes(view, name, shape)

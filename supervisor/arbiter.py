@@ -409,7 +409,8 @@ class Arbiter:
         self.connections.add_listener(self.buffer_channel)
 
     def _set_shares(self, settings: Settings) -> None:
-        self.quotas.shares = shares_from(settings, self.connections.high_water, self.registry.total)
+        guard = self.connections
+        self.quotas.shares = shares_from(settings, guard.high_water, min(self.registry.total, guard.room))
 
     def _hello(self, index: int) -> dict:
         daemon = self.settings.daemon

@@ -244,6 +244,7 @@ class ConnectionGuard:
         self.shut: dict[str, list] = {}  # identity -> [connections shut since the last line, its time]
         self.open = count_fds()  # descriptors open now: measured each tick, kept current between
         self.reserve = RESERVE_BASE
+        self.room = MIN_HIGH_WATER
         self.high_water = MIN_HIGH_WATER
         self.low_water = MIN_HIGH_WATER - 1
 
@@ -272,6 +273,7 @@ class ConnectionGuard:
         if room < MIN_HIGH_WATER:
             logger.warning("file-descriptor limit %d leaves room for %d client connections "
                            "(reserve %d); raise LimitNOFILE", self.fd_limit, max(room, 0), self.reserve)
+        self.room = max(MIN_HIGH_WATER, room)  # descriptors outsiders may hold in all
         self.high_water = max(MIN_HIGH_WATER, min(room, self.max_connections or room))
         self.low_water = min(self.high_water * 9 // 10, self.high_water - 1)
         logger.info("client connections: at most %d (fd limit %d, reserve %d)",

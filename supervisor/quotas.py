@@ -13,7 +13,8 @@ resource            limit                             default share
 ==================  ================================  =========================================
 ``connections``     ``max_connections_per_identity``  a quarter of the connection high-water
                                                       mark (frontends, control, buffers.sock)
-``buffers``         ``max_buffers_per_identity``      a quarter of ``MAX_BUFFERS``
+``buffers``         ``max_buffers_per_identity``      a quarter of ``MAX_BUFFERS``, or of the
+                                                      descriptors left to outsiders if fewer
 ``buffer_bytes``    ``max_buffer_bytes_per_identity`` a quarter of ``max_buffer_bytes``
 ``requests``        ``max_requests_per_identity``     half of the smallest ``max_queue``
 ``request_bytes``   ``max_request_bytes_per_identity`` a quarter of ``max_request_bytes``
@@ -74,7 +75,8 @@ def max_buffer_bytes(settings: "Settings") -> int:
 
 def shares_from(settings: "Settings", connections: int, buffers: int) -> Shares:
     """Each limit the configuration sets, else the default share of its daemon-wide cap:
-    ``connections`` is the connection high-water mark, ``buffers`` the registry's count cap."""
+    ``connections`` is the connection high-water mark; ``buffers`` the registry's count cap, or
+    the descriptors outsiders may hold if fewer (each registered buffer holds one)."""
     daemon = settings.daemon
     queues = [model.max_queue for model in settings.models] or [2]
     return Shares(

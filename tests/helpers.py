@@ -159,11 +159,13 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def status(self, timeout: float = 5.0) -> dict:
+    def status(self, timeout: float = 5.0, endpoint: str | None = None) -> dict:
+        """On the admin socket, as the operator's ``modelwarden status`` asks (it is never
+        paused: the control socket is, under a flood); ``endpoint`` to ask elsewhere."""
         from modelwarden.shared.client import control_request
 
         self.check_running()
-        return control_request(self.control, {"type": "status"}, timeout)["status"]
+        return control_request(endpoint or self.admin, {"type": "status"}, timeout)["status"]
 
     def command(self, command: str, **fields: Any) -> dict:
         """A control command on the socket the CLI would use: admin for mutating ones."""

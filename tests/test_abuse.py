@@ -107,7 +107,7 @@ def serves(endpoint: str, timeout: float = 2.0) -> bool:
 def test_a_connection_flood_pauses_new_connections_and_never_aborts_the_daemon():
     port = free_port()
     tcp = f"tcp://127.0.0.1:{port}"
-    with Daemon([mlp_model(workers=1)], extra_frontends=[tcp], nofile=512) as daemon:
+    with Daemon([mlp_model(workers=1)], extra_frontends=[tcp], nofile=1024) as daemon:
         daemon.wait_ready()
         ipc_path = daemon.endpoint[len("ipc://"):]
         with Client(tcp, timeout=10, shm=False) as connected:
