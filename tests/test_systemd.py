@@ -196,6 +196,10 @@ def test_start_returns_only_once_every_worker_is_ready(container):
     shown = container.show("ActiveState", "StatusText")
     assert shown["ActiveState"] == "active" and shown["StatusText"] == "2/2 workers ready", shown
     assert container.out("stat -c '%U %a' /run/modelwarden") == "modelwarden 750"
+    # The unit bounds what the service commits and runs (docs/OPERATIONS.md, "Limits under abuse").
+    limits = container.show("MemoryMax", "TasksMax")
+    total = int(container.out("awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo"))
+    assert 0 < int(limits["MemoryMax"]) <= total * 0.81 and limits["TasksMax"] == "4096", limits
 
 
 CLIENT = """
