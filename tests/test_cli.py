@@ -210,6 +210,7 @@ def test_the_system_daemon_is_found_by_its_group_and_refuses_others_by_name(memb
     try:
         with Daemon([], daemon={"runtime_dir": str(system), "shm_group": group}) as daemon:
             daemon.control = f"ipc://{system}/control.sock"
+            daemon.admin = f"ipc://{system}/private/admin.sock"
             poll_until(lambda: daemon.status(), 30, message="the system daemon answering")
             found = cli_as(member, group, "status", "--json")
             assert found.returncode == 0, found.stderr
