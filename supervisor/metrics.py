@@ -13,8 +13,9 @@ Every number is the loop's own and is handed to the scrape in one immutable ``Sn
   middle of changing. Counters may be up to one tick behind the last answer.
 
 The HTTP side is supervisor/metrics_http.py, served from the loop itself (no thread, a bounded
-number of connections, a read timeout). Each scrape renders the latest snapshot once, with
-prometheus_client's own encoder: the collector reads only the snapshot. ``/healthz`` answers 200
+number of connections, a read timeout). A scrape renders the latest snapshot with
+prometheus_client's own encoder (the collector reads only the snapshot), once per snapshot and
+format: scrapes of the same tick's snapshot share one page. ``/healthz`` answers 200
 while the loop publishes (a loop stuck for ``STALE_AFTER`` seconds turns it to 503; a loop that
 is stuck answers nothing at all, which a probe's timeout reads the same way); ``/readyz``
 answers 200 only when every model has its minimum of READY workers, else 503.
@@ -309,6 +310,8 @@ class MetricsApp:
     def __init__(self, registry: CollectorRegistry, telemetry: Telemetry) -> None:
         self.registry = registry
         self.telemetry = telemetry
+        self._rendered_for: Snapshot | None = None  # the snapshot the cached pages were made from
+        self._rendered: dict[tuple, Response] = {}  # (content type, names, gzip) -> its page
 
     def __call__(self, request: Request) -> Response:
         if request.path == "/healthz":
@@ -331,12 +334,22 @@ class MetricsApp:
                             f"# HTTP 405 Method Not Allowed: {request.method[:16]}; use OPTIONS or GET\n"
                             .encode(), allow)
         encoder, content_type = choose_encoder(request.headers.get("accept"))
-        registry = self.registry
-        if "name[]" in request.query:
-            registry = registry.restricted_registry(request.query["name[]"])
+        names = tuple(request.query.get("name[]", ()))
+        gzipped = gzip_accepted(request.headers.get("accept-encoding"))
+        key = (content_type, names, gzipped)
+        if self._rendered_for is not self.telemetry.snapshot:
+            self._rendered_for, self._rendered = self.telemetry.snapshot, {}
+        response = self._rendered.get(key)
+        if response is None:
+            # The render runs in the loop (a few ms for a page of a few models): the same
+            # snapshot is rendered once per format, however often peers scrape it.
+            response = self._rendered[key] = self._render(encoder, content_type, names, gzipped)
+        return response
+
+    def _render(self, encoder, content_type: str, names: tuple, gzipped: bool) -> Response:
+        registry = self.registry.restricted_registry(list(names)) if names else self.registry
         body = encoder(registry)
-        if gzip_accepted(request.headers.get("accept-encoding")):
-            # Level 1: the render runs in the loop; the page shrinks about as much as at level 9.
+        if gzipped:  # level 1: in the loop; the page shrinks about as much as at level 9
             return Response(200, content_type, gzip.compress(body, compresslevel=1),
                             (("Content-Encoding", "gzip"),))
         return Response(200, content_type, body)

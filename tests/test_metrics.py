@@ -438,3 +438,35 @@ def test_an_idle_connection_flood_costs_no_thread_and_cannot_take_the_daemon_dow
         assert lines <= 2 * len(sources), lines  # once a minute per source, not once per refusal
         assert "Too many open files" not in daemon.log()
         assert daemon.stop() == 0
+
+
+def test_scrapes_of_one_snapshot_share_one_render():
+    from prometheus_client import CollectorRegistry
+
+    from modelwarden.supervisor.metrics import MetricsApp, Telemetry
+
+    class CountingCollector:
+        renders = 0
+
+        def collect(self):
+            CountingCollector.renders += 1
+            return []
+
+    class Answered:
+        model = "m"
+
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry)
+    registry.register(CountingCollector())
+    telemetry.publish({}, lambda pool: 0)
+    app = MetricsApp(registry, telemetry)
+    plain = metrics_http.Request("GET", "/metrics", {}, {})
+    gzipped = metrics_http.Request("GET", "/metrics", {}, {"accept-encoding": "gzip"})
+    first = [app(plain).body for _ in range(20)]
+    assert app(gzipped).headers == (("Content-Encoding", "gzip"),)
+    assert CountingCollector.renders == 2 and len(set(first)) == 1  # one per format
+    telemetry.requests.answered(Answered(), "ok", None)
+    telemetry.publish({}, lambda pool: 0)
+    page = app(plain).body.decode()
+    assert CountingCollector.renders == 3
+    assert 'modelwarden_requests_total{code="ok",model="m",version=""} 1.0' in page
