@@ -205,7 +205,10 @@ class Arbiter:
         if daemon.metrics:
             from modelwarden.supervisor import metrics
 
-            self.telemetry, self.metrics_server = metrics.start(daemon.metrics, self.router)
+            self.telemetry, self.metrics_server = metrics.start(
+                daemon.metrics, self.router, watch=self._on, unwatch=self._off,
+                call_at=self.timers.call_at, cancel=self.timers.cancel, clock=self.clock,
+                admit=self.connections.can_accept)
 
     def _bind(self) -> None:
         daemon = self.settings.daemon

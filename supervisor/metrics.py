@@ -1,6 +1,6 @@
 """Prometheus metrics, ``/healthz`` and ``/readyz`` (``[daemon] metrics = "HOST:PORT"``).
 
-Every number is the loop's own and is handed to the scrape thread in one immutable ``Snapshot``:
+Every number is the loop's own and is handed to the scrape in one immutable ``Snapshot``:
 
 * Per request (the router calls ``RequestMetrics.answered`` once per answer, from the loop):
   ``modelwarden_requests_total{model,version,code}`` and the latency and batch-size
@@ -12,30 +12,30 @@ Every number is the loop's own and is handed to the scrape thread in one immutab
   the scrape's collector reads only the snapshot, so it never sees a dict the loop is in the
   middle of changing. Counters may be up to one tick behind the last answer.
 
-The HTTP server is prometheus_client's threaded WSGI server (``ThreadingWSGIServer``): it serves
-from its own threads, the only threads in the supervisor (docs/ARCHITECTURE.md). They read the
-snapshot and write nothing the loop reads. ``/healthz`` answers 200 while the loop publishes (a
-loop stuck for ``STALE_AFTER`` seconds turns it to 503); ``/readyz`` answers 200 only when every
-model has its minimum of READY workers, else 503.
+The HTTP side is supervisor/metrics_http.py, served from the loop itself (no thread, a bounded
+number of connections, a read timeout). A scrape renders the latest snapshot with
+prometheus_client's own encoder (the collector reads only the snapshot), once per snapshot and
+format: scrapes of the same tick's snapshot share one page. ``/healthz`` answers 200
+while the loop publishes (a loop stuck for ``STALE_AFTER`` seconds turns it to 503; a loop that
+is stuck answers nothing at all, which a probe's timeout reads the same way); ``/readyz``
+answers 200 only when every model has its minimum of READY workers, else 503.
 """
 
 from __future__ import annotations
 
 import bisect
 import collections
+import gzip
 import logging
-import socket
-import threading
 import time
 from dataclasses import dataclass, field
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import choose_encoder, gzip_accepted
 
-from modelwarden.shared.config import parse_host_port
 from modelwarden.shared.states import SlotState, WorkerState
+from modelwarden.supervisor.metrics_http import HttpServer, Request, Response
 from modelwarden.supervisor.runtime import DaemonError
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class RequestMetrics:
                       for model, histograms in self.histograms.items()))
 
 
-# -- per tick (published by the loop, read by the scrape thread) ---------------------------------
+# -- per tick (published by the loop, read by the scrape) ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -300,68 +300,77 @@ def _gauge(name: str, documentation: str, labels: list, rows) -> GaugeMetricFami
     return family
 
 
-# -- the HTTP side -------------------------------------------------------------------------------
+# -- what the HTTP side answers (supervisor/metrics_http.py serves it from the loop) ------------
 
 
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
-        pass  # a scrape every 15 s is not news
+class MetricsApp:
+    """``/metrics`` (and ``/``), ``/healthz``, ``/readyz``: prometheus_client's own page, one
+    render of the published snapshot per scrape."""
 
-
-class MetricsServer:
-    """``/metrics``, ``/healthz``, ``/readyz`` on one address, served by prometheus_client's
-    threaded WSGI server."""
-
-    def __init__(self, address: str, registry: CollectorRegistry, telemetry: Telemetry) -> None:
-        self.host, self.port = parse_host_port(address)
+    def __init__(self, registry: CollectorRegistry, telemetry: Telemetry) -> None:
+        self.registry = registry
         self.telemetry = telemetry
-        self._metrics_app = make_wsgi_app(registry)
-        self._server = None
-        self._thread: threading.Thread | None = None
+        self._rendered_for: Snapshot | None = None  # the snapshot the cached pages were made from
+        self._rendered: dict[tuple, Response] = {}  # (content type, names, gzip) -> its page
 
-    def start(self) -> None:
-        """Bind (an OSError names the address) and serve from a daemon thread."""
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-
-        class Server(ThreadingWSGIServer):
-            address_family = family
-
-        self._server = make_server(self.host, self.port, self._app, Server, handler_class=_QuietHandler)
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-
-    def _app(self, environ, start_response):
-        path = environ.get("PATH_INFO", "")
-        if path == "/healthz":
-            return _plain(start_response, self.telemetry.live(), "loop running", "loop stuck")
-        if path == "/readyz":
+    def __call__(self, request: Request) -> Response:
+        if request.path == "/healthz":
+            return _plain(self.telemetry.live(), "loop running", "loop stuck")
+        if request.path == "/readyz":
             ready = self.telemetry.live() and self.telemetry.snapshot.ready
-            return _plain(start_response, ready, "ready", "not ready: a model lacks READY workers")
-        if path in ("/metrics", "/"):
-            return self._metrics_app(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found: try /metrics, /healthz, /readyz\n"]
+            return _plain(ready, "ready", "not ready: a model lacks READY workers")
+        if request.path in ("/metrics", "/"):
+            return self._metrics(request)
+        return Response(404, "text/plain", b"not found: try /metrics, /healthz, /readyz\n")
+
+    def _metrics(self, request: Request) -> Response:
+        """What prometheus_client's WSGI app answers: OPTIONS and GET, the format the Accept
+        header asks for, ``name[]`` to restrict, gzip when accepted."""
+        allow = (("Allow", "OPTIONS,GET"),)
+        if request.method == "OPTIONS":
+            return Response(200, "text/plain", b"", allow)
+        if request.method not in ("GET", "HEAD"):
+            return Response(405, "text/plain",
+                            f"# HTTP 405 Method Not Allowed: {request.method[:16]}; use OPTIONS or GET\n"
+                            .encode(), allow)
+        encoder, content_type = choose_encoder(request.headers.get("accept"))
+        names = tuple(request.query.get("name[]", ()))
+        gzipped = gzip_accepted(request.headers.get("accept-encoding"))
+        key = (content_type, names, gzipped)
+        if self._rendered_for is not self.telemetry.snapshot:
+            self._rendered_for, self._rendered = self.telemetry.snapshot, {}
+        response = self._rendered.get(key)
+        if response is None:
+            # The render runs in the loop (a few ms for a page of a few models): the same
+            # snapshot is rendered once per format, however often peers scrape it.
+            response = self._rendered[key] = self._render(encoder, content_type, names, gzipped)
+        return response
+
+    def _render(self, encoder, content_type: str, names: tuple, gzipped: bool) -> Response:
+        registry = self.registry.restricted_registry(list(names)) if names else self.registry
+        body = encoder(registry)
+        if gzipped:  # level 1: in the loop; the page shrinks about as much as at level 9
+            return Response(200, content_type, gzip.compress(body, compresslevel=1),
+                            (("Content-Encoding", "gzip"),))
+        return Response(200, content_type, body)
 
 
-def _plain(start_response, ok: bool, yes: str, no: str) -> list[bytes]:
-    start_response("200 OK" if ok else "503 Service Unavailable", [("Content-Type", "text/plain")])
-    return [(yes if ok else no).encode() + b"\n"]
+def _plain(ok: bool, yes: str, no: str) -> Response:
+    return Response(200 if ok else 503, "text/plain", (yes if ok else no).encode() + b"\n")
 
 
-def start(address: str, router) -> tuple[Telemetry, MetricsServer]:
-    """Count every answer the router gives and serve the numbers at ``address``."""
+def start(address: str, router, *, watch, unwatch, call_at, cancel, clock,
+          admit) -> tuple[Telemetry, HttpServer]:
+    """Count every answer the router gives and serve the numbers at ``address`` from the loop
+    (the callbacks are the host's poller, timers, clock and descriptor budget: see
+    supervisor/metrics_http.py)."""
     registry = CollectorRegistry()
-    telemetry = Telemetry(registry)
+    telemetry = Telemetry(registry, clock)
     router.observers.append(telemetry.requests.answered)
-    server = MetricsServer(address, registry, telemetry)
+    server = HttpServer(address, MetricsApp(registry, telemetry), watch=watch, unwatch=unwatch,
+                        call_at=call_at, cancel=cancel, clock=clock, admit=admit)
     try:
-        server.start()
+        server.listen()
     except OSError as exc:
         raise DaemonError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from None
     host = f"[{server.host}]" if ":" in server.host else server.host

@@ -3,9 +3,12 @@ daemon and parsed with prometheus_client's own parser."""
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import select
 import signal
+import socket
 import urllib.error
 import urllib.request
 
@@ -17,7 +20,11 @@ from modelwarden.shared.client import BadInput, Client, ModelError, UnknownModel
 from modelwarden.shared.config import ConfigError, load_settings
 from tests.faulty import MARKER
 from modelwarden.shared import protocol
-from tests.helpers import Daemon, faulty_model, poll_until, raw_request
+from modelwarden.supervisor import metrics_http
+from modelwarden.supervisor.metrics_http import (Admission, BadRequest, HttpServer, RefusalLog,
+                                                 Response, parse_head)
+from modelwarden.supervisor.timers import Timers
+from tests.helpers import Daemon, faulty_model, fd_count, poll_until, raw_request
 
 QUICK = {"start_seconds": 0.5, "backoff_initial": 0.1, "kill_grace": 1.0}
 
@@ -237,3 +244,229 @@ def test_histogram_buckets_are_cumulative_and_inclusive():
     assert (value(samples, "modelwarden_batch_size_bucket", model="m", le="2.0"),
             value(samples, "modelwarden_batch_size_bucket", model="m", le="4.0")) == (0, 4)
     assert value(samples, "modelwarden_requests_total", model="m", code="ok") == 4
+
+
+# -- the loop's HTTP server: policy with an injected clock, sockets with a fake loop ---------------
+
+
+def test_a_request_head_is_parsed_only_whole_and_bounded():
+    assert parse_head(b"GET /metrics HTTP/1.1\r\nHost: x\r\n") is None  # not whole yet
+    request = parse_head(b"GET /metrics?name[]=a HTTP/1.1\r\nAccept: text/plain\r\n\r\n")
+    assert (request.method, request.path, request.query, request.headers) == (
+        "GET", "/metrics", {"name[]": ["a"]}, {"accept": "text/plain"})
+    for garbage in (b"\x16\x03\x01 hello\r\n\r\n", b"GET /\r\n\r\n", b"GET / HTTP/1.0\r\nno colon\r\n\r\n"):
+        with pytest.raises(BadRequest) as refused:
+            parse_head(garbage)
+        assert refused.value.status == 400, garbage
+    with pytest.raises(BadRequest) as refused:  # no end in sight after the limit
+        parse_head(b"GET / HTTP/1.0\r\nX: " + b"a" * metrics_http.HEAD_LIMIT)
+    assert refused.value.status == 431
+
+
+def test_admission_caps_connections_in_all_and_per_source():
+    admission = Admission(max_connections=4, per_source=2)
+    for source in ("a", "a", "b"):
+        assert admission.refusal(source) is None
+        admission.opened(source)
+    assert admission.refusal("a") == "source"  # a's share is taken; b and c still have room
+    assert admission.refusal("b") is None
+    admission.opened("c")
+    assert admission.refusal("d") == "full"
+    admission.closed("a")
+    assert admission.refusal("a") is None and admission.by_source == {"a": 1, "b": 1, "c": 1}
+
+
+def test_refusals_are_logged_once_a_minute_per_source_with_a_count():
+    now = [100.0]
+    log = RefusalLog(lambda: now[0])
+    first = log.note("127.0.0.2", "full")
+    assert first is not None and "127.0.0.2" in first and "1 (32 connections open)" in first
+    assert log.note("127.0.0.3", "source") is not None  # another source has its own minute
+    quiet = [log.note("127.0.0.2", reason) for reason in ["full"] * 50 + ["timeout"] * 3]
+    now[0] += 59.0
+    quiet.append(log.note("127.0.0.2", "full"))
+    assert quiet == [None] * 54
+    now[0] += 1.0
+    line = log.note("127.0.0.2", "full")
+    assert "52 (32 connections open)" in line and "3 (no whole request" in line, line
+    assert "in the last minute" in line
+
+
+class FakeLoop:
+    """The host's side: watched descriptors served by a real select(), timers on a fake clock."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.timers = Timers()
+        self.handlers: dict = {}
+
+    def server(self, admit=lambda: True) -> HttpServer:
+        app = lambda request: Response(200, "text/plain", f"{request.path}\n".encode())
+        server = HttpServer("127.0.0.1:0", app, watch=self.handlers.__setitem__,
+                            unwatch=self.handlers.pop, call_at=self.timers.call_at,
+                            cancel=self.timers.cancel, clock=lambda: self.now, admit=admit)
+        server.listen()
+        return server
+
+    def pump(self, passes: int = 20) -> None:
+        for _ in range(passes):
+            readable, _, _ = select.select(list(self.handlers), [], [], 0.01)
+            for fd in readable:
+                handler = self.handlers.get(fd)
+                if handler is not None:
+                    handler()
+            self.timers.run_due(self.now)
+
+
+def connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+    return sock
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1 << 16) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+    finally:
+        sock.setblocking(True)
+
+
+def test_the_loop_server_answers_once_and_closes_an_idle_connection_at_its_deadline():
+    loop = FakeLoop()
+    server = loop.server()
+    idle, asking, oversized = (connect(server.port) for _ in range(3))
+    loop.pump()
+    assert server.connections == 3
+    asking.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+    oversized.sendall(b"GET / HTTP/1.1\r\nX: " + b"a" * (2 * metrics_http.HEAD_LIMIT))
+    loop.pump()
+    answer = asking.recv(4096)
+    assert answer.startswith(b"HTTP/1.0 200 OK\r\n") and b"Connection: close" in answer, answer
+    assert answer.endswith(b"\r\n\r\n/readyz\n") and closed_by_peer(asking)
+    assert oversized.recv(4096).startswith(b"HTTP/1.0 431 ")
+    assert server.connections == 1 and not closed_by_peer(idle)
+    loop.now += metrics_http.TIMEOUT_S - 0.1
+    loop.pump()
+    assert not closed_by_peer(idle), "closed before its deadline"
+    loop.now += 0.2
+    loop.pump()
+    assert closed_by_peer(idle) and server.connections == 0 and len(loop.timers) == 0
+    server.close()
+    assert loop.handlers == {}
+
+
+def test_the_loop_server_refuses_beyond_its_shares_and_when_the_budget_is_spent():
+    loop = FakeLoop()
+    budget = [True]
+    server = loop.server(admit=lambda: budget[0])
+    mine = [connect(server.port) for _ in range(metrics_http.PER_SOURCE + 2)]
+    other = connect(server.port, "127.0.0.2")
+    loop.pump()
+    assert server.connections == metrics_http.PER_SOURCE + 1
+    assert [closed_by_peer(sock) for sock in mine[-3:]] == [False, True, True]
+    budget[0] = False
+    refused = connect(server.port, "127.0.0.3")
+    loop.pump()
+    assert closed_by_peer(refused) and not closed_by_peer(other)
+    server.close()
+    for sock in (*mine, other, refused):
+        sock.close()
+
+
+# -- the daemon under an idle-connection flood ------------------------------------------------
+
+
+def threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def open_idle(port: int, count: int, sources: list[str]) -> list[socket.socket]:
+    """``count`` non-blocking connects spread over ``sources``, none of which sends a byte."""
+    sockets = []
+    for index in range(count):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.bind((sources[index % len(sources)], 0))
+        assert sock.connect_ex(("127.0.0.1", port)) in (0, errno.EINPROGRESS)
+        sockets.append(sock)
+    return sockets
+
+
+@pytest.mark.slow
+def test_an_idle_connection_flood_costs_no_thread_and_cannot_take_the_daemon_down():
+    nofile = 384
+    with Daemon([echo("echo", workers=1)], daemon={"metrics": "127.0.0.1:0"}, nofile=nofile) as daemon:
+        base = metrics_url(daemon)
+        port = int(base.rsplit(":", 1)[1])
+        daemon.wait_ready()
+        pid = daemon.process.pid
+        reserve = int(re.search(r"client connections: at most \d+ \(fd limit \d+, reserve (\d+)\)",
+                                daemon.log()).group(1))
+        assert get(base + "/metrics")[0] == 200
+        threads_before, fds_before = threads(pid), fd_count(pid)
+        sources = [f"127.0.0.{n}" for n in range(2, 10)]  # 8 sources: their shares exceed the cap
+        flood = open_idle(port, 500, sources)
+        try:
+            poll_until(lambda: daemon.log().count("metrics: closed connection(s) from") >= len(sources)
+                       or daemon.check_running(), 20, message="every source refused")
+            assert threads(pid) <= threads_before + 2
+            fds = fd_count(pid)
+            assert fds <= fds_before + metrics_http.MAX_CONNECTIONS + 8, (fds, fds_before)
+            assert fds < nofile - reserve
+            status = daemon.status()
+            assert not status["daemon"]["limits"]["listeners_paused"]
+            x = np.arange(8, dtype=np.float32).reshape(2, 4)
+            with Client(daemon.endpoint, timeout=10) as client:  # the frontends were not paused
+                assert np.array_equal(next(iter(client.infer("echo", {"x": x}).values())), x)
+            print(f"flood: threads {threads_before} -> {threads(pid)}, descriptors {fds_before} -> "
+                  f"{fds} (limit {nofile}, reserve {reserve})")
+            # The idle connections' deadline closes them while the flood still holds its end.
+            poll_until(lambda: fd_count(pid) <= fds_before + 2, 20,
+                       message="the idle connections closed at their deadline")
+            samples = poll_until(lambda: scrape(base), 10, message="a fresh scrape")
+            assert value(samples, "modelwarden_workers", model="echo", state="READY") == 1
+            assert value(samples, "modelwarden_ready") == 1
+        finally:
+            for sock in flood:
+                sock.close()
+        assert daemon.process.poll() is None
+        lines = daemon.log().count("metrics: closed connection(s) from")
+        assert lines <= 2 * len(sources), lines  # once a minute per source, not once per refusal
+        assert "Too many open files" not in daemon.log()
+        assert daemon.stop() == 0
+
+
+def test_scrapes_of_one_snapshot_share_one_render():
+    from prometheus_client import CollectorRegistry
+
+    from modelwarden.supervisor.metrics import MetricsApp, Telemetry
+
+    class CountingCollector:
+        renders = 0
+
+        def collect(self):
+            CountingCollector.renders += 1
+            return []
+
+    class Answered:
+        model = "m"
+
+    registry = CollectorRegistry()
+    telemetry = Telemetry(registry)
+    registry.register(CountingCollector())
+    telemetry.publish({}, lambda pool: 0)
+    app = MetricsApp(registry, telemetry)
+    plain = metrics_http.Request("GET", "/metrics", {}, {})
+    gzipped = metrics_http.Request("GET", "/metrics", {}, {"accept-encoding": "gzip"})
+    first = [app(plain).body for _ in range(20)]
+    assert app(gzipped).headers == (("Content-Encoding", "gzip"),)
+    assert CountingCollector.renders == 2 and len(set(first)) == 1  # one per format
+    telemetry.requests.answered(Answered(), "ok", None)
+    telemetry.publish({}, lambda pool: 0)
+    page = app(plain).body.decode()
+    assert CountingCollector.renders == 3
+    assert 'modelwarden_requests_total{code="ok",model="m",version=""} 1.0' in page
