@@ -208,7 +208,8 @@ class Arbiter:
             self.telemetry, self.metrics_server = metrics.start(
                 daemon.metrics, self.router, watch=self._on, unwatch=self._off,
                 call_at=self.timers.call_at, cancel=self.timers.cancel, clock=self.clock,
-                admit=self.connections.can_accept)
+                guard=self.connections)
+            self.connections.add_listener(self.metrics_server)
 
     def _bind(self) -> None:
         daemon = self.settings.daemon

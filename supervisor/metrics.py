@@ -360,15 +360,15 @@ def _plain(ok: bool, yes: str, no: str) -> Response:
 
 
 def start(address: str, router, *, watch, unwatch, call_at, cancel, clock,
-          admit) -> tuple[Telemetry, HttpServer]:
+          guard) -> tuple[Telemetry, HttpServer]:
     """Count every answer the router gives and serve the numbers at ``address`` from the loop
-    (the callbacks are the host's poller, timers, clock and descriptor budget: see
+    (the callbacks are the host's poller, timers, clock and descriptor account: see
     supervisor/metrics_http.py)."""
     registry = CollectorRegistry()
     telemetry = Telemetry(registry, clock)
     router.observers.append(telemetry.requests.answered)
     server = HttpServer(address, MetricsApp(registry, telemetry), watch=watch, unwatch=unwatch,
-                        call_at=call_at, cancel=cancel, clock=clock, admit=admit)
+                        call_at=call_at, cancel=cancel, clock=clock, guard=guard)
     try:
         server.listen()
     except OSError as exc:

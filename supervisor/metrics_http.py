@@ -7,13 +7,14 @@ this module holds is bounded and charged to the daemon's one budget.
 
 The host (the Arbiter) lends what ChannelServer uses: its poller (``watch(fd, handler)`` runs
 ``handler`` when ``fd`` is readable, ``unwatch(fd)``), its timers (``call_at(when, fn, *args)``,
-``cancel(timer)``), its clock, and ``admit() -> bool``, the descriptor budget
-(``ConnectionGuard.can_accept``). The contract:
+``cancel(timer)``), its clock, and ``guard``, the daemon's descriptor account
+(``ConnectionGuard``: ``can_accept()``, and ``opened()``/``closed()`` for each connection it
+holds; it also pauses this listener with the daemon's others). The contract:
 
 * A non-blocking listening socket and non-blocking connections, all in the loop's one poller;
   the loop never blocks on a peer.
 * At most ``MAX_CONNECTIONS`` connections open, at most ``PER_SOURCE`` of them from one source
-  address. Beyond that, or when ``admit()`` says no, a connection is accepted and closed at once
+  address. Beyond that, or when the guard says no, a connection is accepted and closed at once
   (one left in the backlog would wake the level-triggered poll forever).
 * One request per connection (HTTP/1.0, ``Connection: close``). A connection that has not sent
   a whole request head (at most ``HEAD_LIMIT`` bytes; more gets 431) within ``TIMEOUT_S`` of
@@ -33,7 +34,7 @@ import errno
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from modelwarden.shared.config import parse_host_port
@@ -190,18 +191,30 @@ class _Connection:
         self.retry = None  # the next try at sending ``pending``
 
 
+class DescriptorAccount(Protocol):
+    """What the server asks of the daemon's descriptor account (ConnectionGuard)."""
+
+    def can_accept(self) -> bool: ...
+
+    def opened(self) -> None: ...
+
+    def closed(self) -> None: ...
+
+
 class HttpServer:
     """One listening address; ``app(request) -> Response`` answers each request in the loop."""
 
     def __init__(self, address: str, app: Callable[[Request], Response], *, watch: Callable,
                  unwatch: Callable, call_at: Callable, cancel: Callable,
-                 clock: Callable[[], float], admit: Callable[[], bool] = lambda: True) -> None:
+                 clock: Callable[[], float], guard: "DescriptorAccount | None" = None) -> None:
         self.host, self.port = parse_host_port(address)
+        self.endpoint = f"http://{address}"
         self.app = app
         self._watch, self._unwatch = watch, unwatch
         self._call_at, self._cancel = call_at, cancel
         self.clock = clock
-        self._admit = admit
+        self.guard = guard  # the daemon's descriptor account (supervisor/connections.py)
+        self.paused = False  # by the guard: the listener is out of the poller
         self.admission = Admission()
         self.refusals = RefusalLog(clock)
         self._listener: socket.socket | None = None
@@ -224,8 +237,20 @@ class HttpServer:
         self._listener = sock
         self._resume()
 
+    # -- the guard pauses and resumes this listener with the daemon's others -----------------
+
+    def pause(self) -> None:
+        self.paused = True
+        if self._listener is not None and self._listening:
+            self._listening = False
+            self._unwatch(self._listener.fileno())
+
+    def resume(self) -> None:
+        self.paused = False
+        self._resume()
+
     def _resume(self) -> None:
-        if self._listener is not None and not self._listening:
+        if self._listener is not None and not self._listening and not self.paused:
             self._listening = True
             self._watch(self._listener.fileno(), self._accept)
 
@@ -244,7 +269,8 @@ class HttpServer:
             self._admit_or_close(sock, str(address[0]))
 
     def _admit_or_close(self, sock: socket.socket, source: str) -> None:
-        reason = self.admission.refusal(source) or (None if self._admit() else "budget")
+        reason = self.admission.refusal(source) or (
+            None if self.guard is None or self.guard.can_accept() else "budget")
         if reason is not None:
             sock.close()  # the reserve pays for this one descriptor, for this moment
             self._note(source, reason)
@@ -252,6 +278,8 @@ class HttpServer:
         sock.setblocking(False)
         conn = _Connection(sock, source)
         self.admission.opened(source)
+        if self.guard is not None:
+            self.guard.opened()
         self._connections[conn.fd] = conn
         conn.timer = self._call_at(self.clock() + TIMEOUT_S, self._expire, conn)
         self._watch(conn.fd, lambda: self._read(conn))
@@ -321,6 +349,8 @@ class HttpServer:
         self._cancel(conn.retry)
         conn.sock.close()
         self.admission.closed(conn.source)
+        if self.guard is not None:
+            self.guard.closed()
 
     @property
     def connections(self) -> int:

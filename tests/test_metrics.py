@@ -300,11 +300,11 @@ class FakeLoop:
         self.timers = Timers()
         self.handlers: dict = {}
 
-    def server(self, admit=lambda: True) -> HttpServer:
+    def server(self, guard=None) -> HttpServer:
         app = lambda request: Response(200, "text/plain", f"{request.path}\n".encode())
         server = HttpServer("127.0.0.1:0", app, watch=self.handlers.__setitem__,
                             unwatch=self.handlers.pop, call_at=self.timers.call_at,
-                            cancel=self.timers.cancel, clock=lambda: self.now, admit=admit)
+                            cancel=self.timers.cancel, clock=lambda: self.now, guard=guard)
         server.listen()
         return server
 
@@ -359,20 +359,41 @@ def test_the_loop_server_answers_once_and_closes_an_idle_connection_at_its_deadl
     assert loop.handlers == {}
 
 
+class Account:
+    """The descriptor account as the server sees it (supervisor/connections.py's ConnectionGuard)."""
+
+    def __init__(self) -> None:
+        self.budget, self.held = True, 0
+
+    def can_accept(self) -> bool:
+        return self.budget
+
+    def opened(self) -> None:
+        self.held += 1
+
+    def closed(self) -> None:
+        self.held -= 1
+
+
 def test_the_loop_server_refuses_beyond_its_shares_and_when_the_budget_is_spent():
     loop = FakeLoop()
-    budget = [True]
-    server = loop.server(admit=lambda: budget[0])
+    account = Account()
+    server = loop.server(guard=account)
     mine = [connect(server.port) for _ in range(metrics_http.PER_SOURCE + 2)]
     other = connect(server.port, "127.0.0.2")
     loop.pump()
-    assert server.connections == metrics_http.PER_SOURCE + 1
+    assert server.connections == account.held == metrics_http.PER_SOURCE + 1
     assert [closed_by_peer(sock) for sock in mine[-3:]] == [False, True, True]
-    budget[0] = False
+    account.budget = False
     refused = connect(server.port, "127.0.0.3")
     loop.pump()
     assert closed_by_peer(refused) and not closed_by_peer(other)
+    server.pause()  # the guard pauses it with the daemon's other listeners: out of the poller
+    assert server._listener.fileno() not in loop.handlers
+    server.resume()
+    assert server._listener.fileno() in loop.handlers
     server.close()
+    assert account.held == 0
     for sock in (*mine, other, refused):
         sock.close()
 
