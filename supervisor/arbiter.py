@@ -561,7 +561,7 @@ class Arbiter:
         self.router.replies.sweep()
         self._report_health()
         if self.telemetry is not None:
-            self.telemetry.publish(self.pools, self.router.queued)
+            self.telemetry.publish(self.pools, self.router.queued, self.quotas.view())
         if self.stopping:
             self._shutdown_step(now)
 

@@ -36,6 +36,7 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from modelwarden.shared.states import SlotState, WorkerState
 from modelwarden.supervisor.metrics_http import HttpServer, Request, Response
+from modelwarden.supervisor.quotas import RESOURCES
 from modelwarden.supervisor.runtime import DaemonError
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class Snapshot:
     promotions: tuple = ()  # (model, standbys promoted into a slot since start)
     requests: tuple = ()  # (request_labels, answers)
     histograms: tuple = ()  # (model, ((bucket counts, sum) per HISTOGRAMS entry))
+    identities: tuple = ()  # (identity, resource, held): supervisor/quotas.py, largest holders
 
 
 def minimum_ready(pool) -> int:
@@ -196,8 +198,9 @@ class Telemetry:
         self._totals = _Totals()
         registry.register(_SnapshotCollector(self))
 
-    def publish(self, pools: dict, queued) -> None:
-        """``queued(pool)``: how many requests wait for that pool (the router's queue)."""
+    def publish(self, pools: dict, queued, identities: list | None = None) -> None:
+        """``queued(pool)``: how many requests wait for that pool (the router's queue);
+        ``identities``: what each identity holds (``Quotas.view()``)."""
         pools = list(pools.values())
         self._totals.count(pools)
         requests, histograms = self.requests.frozen()
@@ -214,7 +217,9 @@ class Telemetry:
             restarts=tuple((model, cause, n) for (model, cause), n in self._totals.restarts.items()),
             probe_failures=tuple(self._totals.probe_failures.items()),
             promotions=tuple(self._totals.promotions.items()),
-            requests=requests, histograms=histograms)
+            requests=requests, histograms=histograms,
+            identities=tuple((row["identity"], resource, row[resource]) for row in identities or ()
+                             for resource in RESOURCES if row[resource]))
 
     def live(self) -> bool:
         return self.clock() - self.snapshot.at < STALE_AFTER
@@ -276,6 +281,10 @@ class _SnapshotCollector:
             requests.add_metric(list(labels), n)
         yield requests
         yield from _histograms(snap.histograms)
+        yield _gauge("modelwarden_identity_held", "What each identity (uid:N, key:NAME, addr:IP) "
+                     "holds now, against its share: connections, buffers, buffer_bytes, requests, "
+                     "request_bytes (the largest holders)", ["identity", "resource"],
+                     (((who, resource), n) for who, resource, n in snap.identities))
         yield GaugeMetricFamily("modelwarden_ready", "1 when every model has its minimum of READY "
                                 "workers", value=int(snap.ready))
 

@@ -84,6 +84,11 @@ def test_metrics_follow_requests_errors_and_a_killed_worker():
         with Client(daemon.endpoint, timeout=10) as client:
             for _ in range(3):
                 client.infer("echo", {"x": x})
+            # What each identity holds: this client's connection, counted against our uid.
+            me = f"uid:{os.geteuid()}"
+            poll_until(lambda: (value(scrape(base), "modelwarden_identity_held", identity=me,
+                                      resource="connections") or 0) >= 1, 5,
+                       message="the client's connection shown under its identity")
             with pytest.raises(BadInput):
                 client.infer("echo", {"x": np.ones((3, 4), np.int64)})
             with pytest.raises(UnknownModel):
@@ -419,7 +424,7 @@ def open_idle(port: int, count: int, sources: list[str]) -> list[socket.socket]:
 
 @pytest.mark.slow
 def test_an_idle_connection_flood_costs_no_thread_and_cannot_take_the_daemon_down():
-    nofile = 384
+    nofile = 1024
     with Daemon([echo("echo", workers=1)], daemon={"metrics": "127.0.0.1:0"}, nofile=nofile) as daemon:
         base = metrics_url(daemon)
         port = int(base.rsplit(":", 1)[1])
