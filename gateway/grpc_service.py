@@ -6,9 +6,14 @@ as ``raw_input_contents`` (one entry per input, what Triton's client sends) or a
 ``contents``; outputs always go back as ``raw_output_contents``. Errors abort the call with the
 status of ``kserve.GRPC_STATUS`` and the text ``CODE: message``. With a token file
 (gateway/access.py), every method but ServerLive and ServerReady aborts UNAUTHENTICATED a call
-without a valid ``authorization: Bearer TOKEN`` in its metadata, before its message is looked at. Messages are bounded by
-``max_message_bytes`` in both directions (grpc refuses a larger one with RESOURCE_EXHAUSTED
-before we see it).
+without a valid ``authorization: Bearer TOKEN`` in its metadata *before its message is read*:
+each method is served by a request-streaming handler (``_handler``), which grpc.aio calls
+with the metadata alone and which pulls the one message itself, after the token and the
+caller's share (gateway/quota.py; RESOURCE_EXHAUSTED over it). A unary handler would be called
+only once grpc had received and parsed the whole message (four unauthenticated 200 MiB calls
+took the gateway from 254 to 2,037 MiB). Messages are bounded by ``max_message_bytes`` in both
+directions (grpc refuses a larger one with RESOURCE_EXHAUSTED as it arrives). On the wire
+every method is still the .proto's unary one.
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ daemon, its real gateway process, tritonclient, raw HTTP, and real users made he
 
 from __future__ import annotations
 
+import concurrent.futures
 import grp
+import hashlib
 import http.client
 import json
 import os
@@ -788,3 +790,50 @@ def test_a_renewed_client_ca_takes_effect_from_the_next_connection_without_a_res
                    message="the new CA's client served on both listeners")
         assert served(first) == {"http": False, "grpc": False}
         assert gateway_row(daemon)["pid"] == row["pid"]
+
+
+# -- each caller's share -------------------------------------------------------------------------
+
+ECHO_SLOW = {"name": "echo", "source": "python:tests.faulty:make_echo",
+             "kwargs": {"copy": True, "delay": 0.4}, "workers": 1, "cores_per_worker": 1,
+             "threads": 1, "warmup": 0}
+
+
+def test_a_token_that_floods_past_its_share_is_refused_while_another_is_served(tmp_path):
+    tokens = tmp_path / "tokens"
+    flooder, other = new_token(tokens, "flooder"), new_token(tokens, "other")
+    with gateway_daemon([ECHO_SLOW], {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0",
+                                      "token_file": str(tokens), "max_requests_in_flight": 8,
+                                      "identity_share": 0.25}) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        body = json.dumps({"inputs": [{"name": "in", "datatype": "FP32", "shape": [1],
+                                       "data": [3.0]}]}).encode()
+
+        def call(token):
+            return rest(row["http"], "POST", "/v2/models/echo/infer", token, body)[:2]
+
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            flood = [pool.submit(call, flooder) for _ in range(8)]
+            served = [pool.submit(call, other) for _ in range(2)]
+            flood, served = [f.result() for f in flood], [f.result() for f in served]
+        ok = [reply for status, reply in flood if status == 200]
+        refused = [reply for status, reply in flood if status == 429]
+        assert len(ok) + len(refused) == len(flood)  # nothing else: every call typed
+        assert 1 <= len(ok) <= 2 + 2 and len(refused) >= 4, flood  # 2 at a time, 0.4 s each
+        flooder_id = access.token_id(hashlib.sha256(flooder.encode()).digest())
+        assert refused[0]["error"].startswith(f"OVERLOADED: {flooder_id} has 2 calls in flight")
+        assert "identity_share 0.25 of max_requests_in_flight 8" in refused[0]["error"]
+        assert flooder not in refused[0]["error"]
+        assert [status for status, _ in served] == [200, 200], served
+        assert all(reply["outputs"][0]["data"] == [3.0] for _, reply in served + [(200, r) for r in ok])
+        # gRPC: the same share, RESOURCE_EXHAUSTED
+        client = grpcclient.InferenceServerClient(row["grpc"])
+        value = np.ones((1,), dtype=np.float32)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            outcomes = list(pool.map(lambda _: grpc_refusal(lambda: infer(
+                client, grpcclient, "echo", {"in": value}, {"in": "FP32"},
+                headers={"authorization": f"Bearer {flooder}"})), range(6)))
+        assert outcomes.count("StatusCode.RESOURCE_EXHAUSTED") >= 2, outcomes
+        assert set(outcomes) <= {None, "StatusCode.RESOURCE_EXHAUSTED"}, outcomes
+        assert flooder not in instance.log()
