@@ -196,8 +196,59 @@ def bearer_token(authorization: str | None) -> bytes | None:
         return None
 
 
+def token_id(digest: bytes) -> str:
+    """How logs, errors and quotas name a token: the start of its SHA-256 digest, which says
+    nothing of the token itself."""
+    return "token:" + digest.hex()[:8]
+
+
+def identity(token_name: str | None, client_subject: str | None, peer: str) -> str:
+    """Who a call counts as (gateway/quota.py): its token, else its client certificate, else
+    where it comes from."""
+    if token_name:
+        return token_name
+    if client_subject:
+        return f"cert:{client_subject[:128]}"
+    return peer
+
+
+class RefusalLog:
+    """One WARNING a minute at most per source (a peer's address, a uid), however many calls or
+    keys it tries: a flood from one place costs the journal one line a minute, and the line
+    says where it came from. At most MAX_SOURCES sources are told apart; past that, the
+    rest share one line."""
+
+    MAX_SOURCES = 1024
+
+    def __init__(self, what: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what  # "call(s) refused without a valid token"
+        self.clock = clock
+        self._sources: dict[str, list] = {}  # source -> [refused since its last line, logged at]
+
+    def refused(self, source: str, detail: str = "") -> None:
+        now = self.clock()
+        entry = self._sources.get(source)
+        if entry is None:
+            source, entry = self._entry(source, now)
+        entry[0] += 1
+        if now - entry[1] >= REFUSALS_LOGGED_EVERY_S:
+            logger.warning("gateway: %d %s from %s in the last minute%s", entry[0], self.what,
+                           source, detail)
+            entry[0], entry[1] = 0, now
+
+    def _entry(self, source: str, now: float) -> tuple[str, list]:
+        if len(self._sources) >= self.MAX_SOURCES:  # forget the quiet ones first
+            self._sources = {key: value for key, value in self._sources.items()
+                             if now - value[1] < REFUSALS_LOGGED_EVERY_S}
+        if len(self._sources) >= self.MAX_SOURCES:
+            source = "other sources"
+        entry = self._sources.setdefault(source, [0, now - REFUSALS_LOGGED_EVERY_S])
+        return source, entry
+
+
 class Gatekeeper:
-    """Answers "may this caller in?" from the token file as it is now (re-read when it changes)."""
+    """Answers "may this caller in, and as which token?" from the token file as it is now
+    (re-read when it changes)."""
 
     def __init__(self, path: Path, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
@@ -205,10 +256,11 @@ class Gatekeeper:
         self._signature = file_signature(self.path)
         self._digests = read_tokens(path)  # at start a bad file is the caller's error to report
         self._checked_at = clock()
-        self._refused = 0
-        self._refusals_logged_at = clock() - REFUSALS_LOGGED_EVERY_S
+        self.refusals = RefusalLog("call(s) refused without a valid token", clock)
 
-    def allows(self, authorization: str | None) -> bool:
+    def admits(self, authorization: str | None, source: str = "unknown") -> str | None:
+        """The token's name (``token_id``) when ``authorization`` carries a valid one, else None
+        (and the refusal is counted against ``source``)."""
         self._refresh()
         token = bearer_token(authorization)
         allowed = False
@@ -217,8 +269,12 @@ class Gatekeeper:
             for known in self._digests:  # every one, whatever matched: constant work per call
                 allowed |= hmac.compare_digest(known, digest)
         if not allowed:
-            self._count_refusal()
-        return allowed
+            self.refusals.refused(source)
+            return None
+        return token_id(digest)
+
+    def allows(self, authorization: str | None, source: str = "unknown") -> bool:
+        return self.admits(authorization, source) is not None
 
     def _refresh(self) -> None:
         now = self.clock()
@@ -236,11 +292,3 @@ class Gatekeeper:
             logger.error("%s: the gateway allows nobody until it is fixed", exc)
             return
         logger.info("token_file %s re-read: %d token(s)", self.path, len(self._digests))
-
-    def _count_refusal(self) -> None:
-        self._refused += 1
-        now = self.clock()
-        if now - self._refusals_logged_at >= REFUSALS_LOGGED_EVERY_S:
-            logger.warning("gateway: %d call(s) refused without a valid token since the last "
-                           "such line", self._refused)
-            self._refused, self._refusals_logged_at = 0, now

@@ -6,20 +6,26 @@ as ``raw_input_contents`` (one entry per input, what Triton's client sends) or a
 ``contents``; outputs always go back as ``raw_output_contents``. Errors abort the call with the
 status of ``kserve.GRPC_STATUS`` and the text ``CODE: message``. With a token file
 (gateway/access.py), every method but ServerLive and ServerReady aborts UNAUTHENTICATED a call
-without a valid ``authorization: Bearer TOKEN`` in its metadata, before its message is looked at. Messages are bounded by
-``max_message_bytes`` in both directions (grpc refuses a larger one with RESOURCE_EXHAUSTED
-before we see it).
+without a valid ``authorization: Bearer TOKEN`` in its metadata *before its message is read*:
+each method is served by a request-streaming handler (``_handler``), which grpc.aio calls
+with the metadata alone and which pulls the one message itself, after the token and the
+caller's share (gateway/quota.py; RESOURCE_EXHAUSTED over it). A unary handler would be called
+only once grpc had received and parsed the whole message (four unauthenticated 200 MiB calls
+took the gateway from 254 to 2,037 MiB). Messages are bounded by ``max_message_bytes`` in both
+directions (grpc refuses a larger one with RESOURCE_EXHAUSTED as it arrives). On the wire
+every method is still the .proto's unary one.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import grpc
 import numpy as np
 import torch
 
-from modelwarden.gateway import access, kserve
+from modelwarden.gateway import access, kserve, quota
 from modelwarden.gateway.proto import grpc_predict_v2_pb2 as pb
 from modelwarden.gateway.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from modelwarden.gateway.service import InferenceService, error_of
@@ -101,8 +107,9 @@ def _config_message(config: dict) -> "pb.ModelConfig":
 
 async def _abort(context, exc: BaseException) -> None:
     code, message = error_of(exc)
-    await context.abort(getattr(grpc.StatusCode, kserve.grpc_status(code)),
-                        kserve.error_text(code, message))
+    status = ("RESOURCE_EXHAUSTED" if isinstance(exc, quota.QuotaExceeded)
+              else kserve.grpc_status(code))
+    await context.abort(getattr(grpc.StatusCode, status), kserve.error_text(code, message))
 
 
 def _parameter(parameters, key: str):
@@ -141,7 +148,7 @@ def _typed_tensor(name: str, datatype: str, shape: tuple[int, ...], contents) ->
     if field is None:
         raise kserve.bad_input(f"input {name!r}: {datatype} travels only as raw_input_contents")
     values = getattr(contents, field)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)
     if len(values) != count:
         raise kserve.bad_input(f"input {name!r}: {len(values)} values in contents.{field}, but "
                                f"shape {list(shape)} holds {count}")
@@ -189,38 +196,54 @@ METHODS = {  # name -> (request, response): the .proto's service
 }
 
 
-class _Unreadable:
-    """A request message protobuf could not parse (a DecodeError), handed to the method."""
-
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
-
-
-def _tolerant(parse):
+def _parsed(parse, data: bytes):
     # grpc's own handling of a deserializer's exception is UNKNOWN and a traceback in the log
     # for every such message; a malformed message is the caller's error: INVALID_ARGUMENT.
-    def deserialize(data: bytes):
+    try:
+        return parse(data)
+    except Exception as exc:
+        raise kserve.bad_request(f"the message is not a valid {SERVICE} request: "
+                                 f"{str(exc)[:120]}") from None
+
+
+class Admission:
+    """Who may call and how much: the token gate (None: no token asked) and the quotas."""
+
+    def __init__(self, gate: access.Gatekeeper | None, quotas: quota.Quotas) -> None:
+        self.gate = gate
+        self.quotas = quotas
+
+    async def identify(self, name: str, context) -> str:
+        """The caller's identity, from the call's metadata alone; a call without a valid token
+        (when one is asked) is aborted here, its message still unread."""
+        peer = _peer(context)
+        token_name = None
+        if self.gate is not None and name not in access.OPEN_METHODS:
+            token_name = self.gate.admits(_authorization(context), peer)
+            if token_name is None:
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, kserve.error_text(
+                    "UNAUTHENTICATED", "this gateway needs the metadata authorization: Bearer "
+                                       "TOKEN, with a token from its token_file"))
+        return access.identity(token_name, _client_subject(context), peer)
+
+
+def _handler(method, name: str, parse, admission: Admission):
+    """A call as grpc.aio hands it over *before reading its message*: a request-streaming
+    handler is given an iterator it pulls from, where a unary one is called only once the
+    whole message has been received and parsed. So the token and the caller's share are
+    decided from the metadata first, and the one message is read only then (grpc bounds it by
+    grpc.max_receive_message_length on the way in)."""
+    async def handle(requests, context):
+        identity = await admission.identify(name, context)
         try:
-            return parse(data)
-        except Exception as exc:
-            return _Unreadable(str(exc)[:120])
-
-    return deserialize
-
-
-def _checked(method, name: str, gate: access.Gatekeeper | None):
-    """The caller's token first (unless the method is open), then the message's shape."""
-    guarded = gate is not None and name not in access.OPEN_METHODS
-
-    async def handle(request, context):
-        if guarded and not gate.allows(_authorization(context)):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, kserve.error_text(
-                "UNAUTHENTICATED", "this gateway needs the metadata authorization: Bearer TOKEN, "
-                                   "with a token from its token_file"))
-        if isinstance(request, _Unreadable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, kserve.error_text(
-                protocol.BAD_REQUEST, f"the message is not a valid {SERVICE} request: {request.problem}"))
-        return await method(request, context)
+            with admission.quotas.admit(identity) as ticket:
+                data = await context.read()
+                if not isinstance(data, bytes):  # grpc.aio.EOF: the caller sent no message
+                    raise kserve.bad_request("the call carried no message")
+                ticket.charge(len(data))
+                return await method(_parsed(parse, data), context)
+        except protocol.ProtocolError as exc:
+            await _abort(context, exc)
 
     return handle
 
@@ -232,16 +255,33 @@ def _authorization(context) -> str | None:
     return None
 
 
+def _peer(context) -> str:
+    """``peer:HOST`` of ``ipv4:HOST:PORT`` / ``ipv6:[HOST]:PORT``; ``peer:unix`` on a Unix socket
+    (grpc says nothing of the peer's uid there)."""
+    peer = context.peer() or ""
+    kind, _, address = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return "peer:" + address.rpartition(":")[0].strip("[]")
+    return "peer:" + (kind or "unknown")
+
+
+def _client_subject(context) -> str | None:
+    subjects = (context.auth_context() or {}).get("x509_subject")
+    return subjects[0].decode("utf-8", "replace") if subjects else None
+
+
 def add_service(server: grpc.aio.Server, service: InferenceService,
-                gate: access.Gatekeeper | None = None) -> None:
-    """The generated ``add_GRPCInferenceServiceServicer_to_server``, but a request that does not
-    parse is answered INVALID_ARGUMENT by us instead of UNKNOWN by grpc, and a caller without a
-    token (when ``gate`` asks for one) UNAUTHENTICATED."""
+                gate: access.Gatekeeper | None = None, quotas: quota.Quotas | None = None) -> None:
+    """The generated ``add_GRPCInferenceServiceServicer_to_server``, but every method reads its
+    own message (``_handler``): a caller without a token (when ``gate`` asks for one) is
+    answered UNAUTHENTICATED and one over its share RESOURCE_EXHAUSTED before its message is
+    read, and a message that does not parse is answered INVALID_ARGUMENT by us, not UNKNOWN by
+    grpc. On the wire each is still the .proto's unary method."""
     servicer = InferenceServicer(service)
-    handlers = {name: grpc.unary_unary_rpc_method_handler(
-                    _checked(getattr(servicer, name), name, gate),
-                    request_deserializer=_tolerant(request.FromString),
-                    response_serializer=response.SerializeToString)
+    admission = Admission(gate, quotas or quota.Quotas(quota.Limits(2**31, 2**62, 1.0)))
+    handlers = {name: grpc.stream_unary_rpc_method_handler(
+                    _handler(getattr(servicer, name), name, request.FromString, admission),
+                    request_deserializer=None, response_serializer=response.SerializeToString)
                 for name, (request, response) in METHODS.items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

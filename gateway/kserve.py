@@ -73,6 +73,9 @@ if set(HTTP_STATUS) != set(protocol.ERROR_CODES) or set(GRPC_STATUS) != set(prot
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 MAX_DIMS = 32
+# The most elements a shape may describe, zero dimensions counted as one: torch computes
+# strides from every dimension, so [0, 2**39, 2**39] (no elements) would still overflow them.
+MAX_ELEMENTS = 2**40
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the native protocol's bound on timeout_ms
 HEADER_LENGTH = "inference-header-content-length"  # the binary data extension's HTTP header
 EXTENSIONS = ["binary_tensor_data", "model_configuration"]
@@ -118,6 +121,9 @@ def check_shape(name: str, shape: Any) -> tuple[int, ...]:
                        for dim in shape)):
         raise bad_input(f"input {name!r}: 'shape' must be a list of at most {MAX_DIMS} "
                         "non-negative integers")
+    if math.prod(max(dim, 1) for dim in shape) > MAX_ELEMENTS:
+        raise bad_input(f"input {name!r}: shape {list(shape)[:MAX_DIMS]} describes more than "
+                        f"{MAX_ELEMENTS} elements")
     return tuple(shape)
 
 
@@ -301,14 +307,25 @@ class InferRequest:
         return self.binary.get(name, self.binary_default)
 
 
+def decimal(value: str | None) -> int | None:
+    """A header's non-negative decimal integer, or None. ASCII digits only: ``str.isdigit`` is
+    true of "²" and other Unicode digits that ``int`` refuses."""
+    if value is None:
+        return None
+    value = value.strip()
+    if not value or len(value) > 20 or not value.isascii() or not value.isdigit():
+        return None
+    return int(value)
+
+
 def header_length(value: str | None, body_length: int | None, limit: int) -> int | None:
     """The ``Inference-Header-Content-Length`` header, checked before the body is read: it must
     be a number no larger than the body (when its length is known) and the limit."""
     if value is None:
         return None
-    if not value.strip().isdigit() or len(value.strip()) > 20:
+    length = decimal(value)
+    if length is None:
         raise bad_request("Inference-Header-Content-Length must be a non-negative integer")
-    length = int(value)
     if length > limit:
         raise bad_request(f"Inference-Header-Content-Length {length} exceeds the gateway's "
                           f"max_message_bytes ({limit})")
@@ -434,7 +451,8 @@ def timeout_seconds(value: Any) -> float | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise bad_request("parameter 'timeout' must be a positive integer (microseconds)")
-    return min(max(value / 1e6, 0.001), MAX_TIMEOUT_S)
+    # bounded as an integer first: a JSON integer of 400 digits is no float
+    return max(min(value, int(MAX_TIMEOUT_S * 1e6)) / 1e6, 0.001)
 
 
 def select_outputs(named: list[tuple[str, torch.Tensor]],

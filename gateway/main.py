@@ -42,6 +42,7 @@ from modelwarden.shared.states import EXIT_BOOT_ERROR, EXIT_ORPHANED
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 3.0  # in-flight calls finish within this at SIGTERM
+BUFFER_TRIM_S = 2.0  # how often idle shared-memory buffers are given back (service.BUFFERS_KEPT)
 
 
 def run(spec, pipe) -> None:
@@ -178,11 +179,13 @@ async def _serve(spec, pipe) -> None:
     from modelwarden.gateway.service import InferenceService  # imports torch
 
     service = InferenceService(spec.frontend)
+    quotas = _quotas(spec)
     http_server, http_task = None, None
+    trimmer = asyncio.create_task(_trim_buffers(service))
     try:
         if sock is not None:
             config = uvicorn.Config(
-                make_app(service, spec.max_message_bytes, gate),
+                make_app(service, spec.max_message_bytes, gate, spec.max_json_bytes, quotas),
                 http=guarded_protocol(spec.max_connections, spec.read_timeout), lifespan="off",
                 log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
             config.load()
@@ -192,7 +195,7 @@ async def _serve(spec, pipe) -> None:
             http_task = asyncio.create_task(http_server.serve(sockets=[sock]))
             await _started(http_server, http_task)
         if grpc_server is not None:
-            grpc_service.add_service(grpc_server, service, gate)
+            grpc_service.add_service(grpc_server, service, gate, quotas)
             await grpc_server.start()
         pipe.send_bytes(json.dumps(bound).encode())
         pipe.close()
@@ -203,6 +206,7 @@ async def _serve(spec, pipe) -> None:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         logger.info("gateway stopping")
     finally:
+        trimmer.cancel()
         if http_server is not None:
             http_server.should_exit = True
             await asyncio.gather(http_task, return_exceptions=True)
@@ -210,6 +214,34 @@ async def _serve(spec, pipe) -> None:
             await grpc_server.stop(SHUTDOWN_GRACE_S)
         await service.close()
         _remove_unix_sockets(spec)
+
+
+def _quotas(spec):
+    from modelwarden.gateway.quota import Limits, Quotas
+
+    return Quotas(Limits(spec.max_requests_in_flight, spec.max_bytes_in_flight,
+                         spec.identity_share))
+
+
+async def _trim_buffers(service) -> None:
+    """Every BUFFER_TRIM_S, give back the buffers no call used since the last time, and the
+    heap's free pages (glibc keeps a burst's freed message bodies, tens of MiB each, in its
+    heap otherwise): an idle gateway returns to its working set after a burst."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    malloc_trim = getattr(libc, "malloc_trim", None)  # glibc's; musl has none
+    while True:
+        await asyncio.sleep(BUFFER_TRIM_S)
+        try:
+            given_back = service.trim_buffers()
+        except Exception:  # never the end of the gateway: the next turn tries again
+            logger.exception("gateway: giving back idle shared-memory buffers failed")
+            continue
+        if given_back:
+            logger.debug("gateway: %d bytes of idle shared-memory buffers given back", given_back)
+        if malloc_trim is not None:
+            malloc_trim(0)
 
 
 def _bound_tls_handshakes(seconds: float) -> None:

@@ -33,6 +33,10 @@ from modelwarden.shared.protocol import SIGNATURE, UNKNOWN_MODEL, ProtocolError
 logger = logging.getLogger(__name__)
 
 CATALOG_TTL_S = 0.5
+# Free shared-memory buffers kept between bursts (a few large requests' worth, reused at once);
+# more than that, idle for a whole trim interval, go back (gateway/main.py trims every
+# BUFFER_TRIM_S). A burst of 16 x 32 MiB otherwise kept 1.1 GB for the process's life.
+BUFFERS_KEPT = 64 * 1024 * 1024
 HELLO_TIMEOUT_S = 5.0
 SERVER_NAME = "modelwarden"
 PLATFORM = "pytorch"
@@ -106,6 +110,10 @@ class InferenceService:
     async def close(self) -> None:
         self.catalog.close()
         await self.client.close()
+
+    def trim_buffers(self) -> int:
+        """The shared-memory buffers idle since the last call, beyond BUFFERS_KEPT, given back."""
+        return self.client.trim_buffers(BUFFERS_KEPT)
 
     # -- health and metadata ----------------------------------------------------------------
 

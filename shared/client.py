@@ -498,6 +498,13 @@ class AsyncClient:
             raise RuntimeError("await client.hello() before empty()")
         return self._session.empty(shape, dtype)
 
+    def trim_buffers(self, keep_bytes: int = 0) -> int:
+        """Give back the shared-memory buffers not used since the previous call, beyond
+        ``keep_bytes`` of free ones (``ShmArena.trim``); the bytes given back. A long-lived
+        client (the gateway) calls it now and then, so a burst's buffers do not stay for ever."""
+        arena = self._session.arena
+        return arena.trim(keep_bytes) if arena is not None else 0
+
     async def _roundtrip(self, request_id: Any, messages: list, timeout: float) -> tuple[dict, list]:
         if self._closed:
             raise RuntimeError("the client is closed")

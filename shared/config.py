@@ -338,8 +338,16 @@ class GatewayConfig(_Strict):
         "open connections per listener; more are closed as soon as they are accepted"))
     read_timeout: float = Field(default=30.0, gt=0, description=(
         "seconds for a whole request (headers and body) to arrive, and for a TLS or gRPC handshake"))
+    max_json_bytes: int = Field(default=8 * 1024 * 1024, ge=1, description=(
+        "largest JSON part of a REST request; larger tensors go as binary data (413 above it)"))
+    max_requests_in_flight: int = Field(default=1024, ge=1, description=(
+        "calls the gateway serves at once, all callers together"))
+    max_bytes_in_flight: int | None = Field(default=None, ge=1, description=(
+        "request bytes the gateway holds at once, all callers; default: 4 x max_message_bytes"))
+    identity_share: float = Field(default=0.25, gt=0, le=1, description=(
+        "the part of max_requests_in_flight and max_bytes_in_flight one caller may hold"))
 
-    @field_validator("max_message_bytes", mode="before")
+    @field_validator("max_message_bytes", "max_json_bytes", "max_bytes_in_flight", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int | None:
         return parse_size(value)

@@ -124,7 +124,7 @@ class Region:
     """A leased piece of a client segment. Tensors over it hold a reference count; when the
     last one is freed the region goes back to its arena for reuse."""
 
-    __slots__ = ("segment", "offset", "capacity", "_refs", "_arena")
+    __slots__ = ("segment", "offset", "capacity", "_refs", "_arena", "leased")
 
     def __init__(self, segment: Segment, offset: int, capacity: int, arena: "ShmArena") -> None:
         self.segment = segment
@@ -132,6 +132,7 @@ class Region:
         self.capacity = capacity
         self._refs = 0
         self._arena = arena
+        self.leased = True  # since the last trim: a buffer in use is never trimmed
 
     def retain(self) -> "Region":
         with self._arena._lock:
@@ -182,6 +183,7 @@ class ShmArena:
             if free:
                 region = free.pop()
                 region._refs = 1
+                region.leased = True
                 return region
         # A new buffer is made outside the lock: pre-faulting a large one takes milliseconds, and
         # 64 threads each wanting one would otherwise queue behind each other (W3 of issue 9).
@@ -278,6 +280,41 @@ class ShmArena:
                 if self.channel is not None:
                     self.channel.unregister([segment.token])
             segment.close()
+
+    def trim(self, keep_bytes: int) -> int:
+        """Drop free buffers that were not leased since the previous trim, beyond ``keep_bytes``
+        of free buffers kept (the smallest first): their tokens are revoked and their
+        descriptors closed, so their memory goes back to the host once the daemon's workers let
+        go too. A long-lived client calls this now and then (the gateway every few seconds):
+        after a burst of large requests it returns to its working set instead of keeping the
+        burst's peak for ever. A buffer in use, or reused since the last call, is never
+        dropped. Returns the bytes dropped."""
+        with self._lock:
+            self._fold_returns()
+            kept, cold = 0, []
+            for size in sorted(self._free):
+                for region in self._free[size]:
+                    if region.leased or kept + size <= keep_bytes:
+                        kept += size
+                        region.leased = False
+                    else:
+                        cold.append(region)
+            for region in cold:
+                self._free[region.capacity].remove(region)
+                self._drop(region.segment)
+            if cold and self.channel is not None:
+                self.channel.unregister([r.segment.token for r in cold if r.segment.token])
+            for region in cold:
+                region.segment.close()
+        return sum(region.capacity for region in cold)
+
+    def _drop(self, segment: Segment) -> None:
+        """Forget a buffer (under the lock); the caller revokes its token and closes it."""
+        self._segments.pop(id(segment), None)
+        self._regions.pop(id(segment), None)
+        self._by_address = [item for item in self._by_address if item[2] is not segment]
+        if segment.token is not None:
+            self._by_token.pop(segment.token, None)
 
     def tokens(self) -> list[str]:
         return list(self._by_token)

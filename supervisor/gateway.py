@@ -97,13 +97,22 @@ class GatewaySpec:
     tls_client_ca: str | None = None  # callers need a certificate this CA signed
     log_level: str = "INFO"
     log_format: str = "text"
+    max_json_bytes: int = 8 * 1024 * 1024  # the JSON part of a REST request
+    max_requests_in_flight: int = 1024  # all callers together
+    max_bytes_in_flight: int = 1024**3  # request bytes, all callers together
+    identity_share: float = 0.25  # of both, for one caller (gateway/quota.py)
 
 
 def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
     config = settings.gateway
     ipc = [endpoint for endpoint in settings.frontends if endpoint.startswith("ipc://")]
+    max_message_bytes = config.max_message_bytes or settings.daemon.max_message_bytes
     return GatewaySpec(frontend=ipc[0], http=config.http, grpc=config.grpc,
-                       max_message_bytes=config.max_message_bytes or settings.daemon.max_message_bytes,
+                       max_message_bytes=max_message_bytes,
+                       max_json_bytes=config.max_json_bytes,
+                       max_requests_in_flight=config.max_requests_in_flight,
+                       max_bytes_in_flight=config.max_bytes_in_flight or 4 * max_message_bytes,
+                       identity_share=config.identity_share,
                        supervisor_pid=supervisor_pid, max_connections=config.max_connections,
                        read_timeout=config.read_timeout,
                        token_file=str(settings.resolve(config.token_file)) if config.token_file else None,

@@ -4,6 +4,7 @@ talk to it. Outputs are compared with the same models computed in this process."
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +31,7 @@ from examples.models import make_mlp  # noqa: E402
 from modelwarden import Client  # noqa: E402
 from tests.faulty import pair_reference  # noqa: E402
 from tests.helpers import (Daemon, alive, join_within, memfd_holders, mlp_model,  # noqa: E402
-                           perf_analyzer, poll_until)
+                           perf_analyzer, poll_until, rss_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = make_mlp(hidden=32)  # what the daemon's mlp workers hold (fixed seed)
@@ -672,3 +674,145 @@ def test_a_message_over_max_message_bytes_is_refused_on_both_transports():
                                    .as_numpy("output__0"), expected, rtol=1e-5, atol=1e-6)
         assert gateway_row(instance)["pid"] == row["pid"]
     no_buffer_left()
+
+
+# -- what one call may cost the gateway ------------------------------------------------------------
+
+
+def peak_rss_reset(pid: int) -> None:
+    """Start a new VmHWM (peak resident memory) for ``pid`` from its resident memory now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+JSON_BODY_BYTES = 48 * 1024 * 1024
+JSON_RSS_BOUND = 64 * 1024 * 1024
+LIVE_WITHIN_S = 0.5
+
+
+def _json_body(nbytes: int) -> bytes:
+    values = b"0.123456789," * (nbytes // 12)
+    return b'{"inputs":[{"name":"in","datatype":"FP32","shape":[%d],"data":[%s0]}]}' % (
+        nbytes // 12 + 1, values)
+
+
+def _send_body(address: str, body: bytes, chunked: bool) -> tuple[int, dict]:
+    """POST ``body`` from a raw socket, chunked or with its Content-Length; the answer may come
+    before the body is all sent (then the rest is not)."""
+    import socket as socket_module
+
+    host, port = address.rsplit(":", 1)
+    sock = socket_module.create_connection((host, int(port)), timeout=30)
+    head = (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            + (b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: %d\r\n" % len(body))
+            + b"\r\n")
+    sent = threading.Thread(target=_send_quietly, args=(sock, head, body, chunked), daemon=True)
+    sent.start()
+    reply = b""
+    try:
+        while b"\r\n\r\n" not in reply or len(reply.partition(b"\r\n\r\n")[2]) < _length(reply):
+            data = sock.recv(65536)
+            if not data:
+                break
+            reply += data
+    finally:
+        sock.close()
+        join_within(sent)
+    status = int(reply.split(b" ", 2)[1])
+    return status, json.loads(reply.partition(b"\r\n\r\n")[2])
+
+
+def _length(reply: bytes) -> int:
+    match = re.search(rb"(?i)content-length: *(\d+)", reply.partition(b"\r\n\r\n")[0])
+    return int(match.group(1)) if match else 0
+
+
+def _send_quietly(sock, head: bytes, body: bytes, chunked: bool) -> None:
+    try:
+        sock.sendall(head)
+        step = 1024 * 1024
+        for start in range(0, len(body), step):
+            piece = body[start:start + step]
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+        if chunked:
+            sock.sendall(b"0\r\n\r\n")
+    except OSError:  # the gateway answered and closed: the rest is not wanted
+        pass
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_48_mib_json_body_is_refused_cheaply_and_health_answers_meanwhile(daemon, chunked):
+    """48 MiB of JSON numbers once cost the gateway 670 MiB and stalled it 4 s: now over
+    max_json_bytes (8 MiB), refused with a 413 that points to the binary extension."""
+    row = gateway_row(daemon)
+    body = _json_body(JSON_BODY_BYTES)
+    latencies, stop = [], threading.Event()
+
+    def probe_live():
+        while not stop.is_set():
+            started = time.monotonic()
+            assert _get(row["http"], "/v2/health/live")[0] == 200
+            latencies.append(time.monotonic() - started)
+
+    before = rss_bytes(row["pid"])
+    peak_rss_reset(row["pid"])
+    prober = threading.Thread(target=probe_live, daemon=True)
+    prober.start()
+    try:
+        status, reply = _send_body(row["http"], body, chunked)
+    finally:
+        stop.set()
+        join_within(prober)
+    peak = peak_rss(row["pid"])
+    print(f"gateway RSS {before / 2**20:.0f} MiB, peak {peak / 2**20:.0f} MiB; /v2/health/live "
+          f"slowest {max(latencies) * 1000:.0f} ms of {len(latencies)}")
+    assert status == 413 and "max_json_bytes (8388608)" in reply["error"], reply
+    assert "binary tensor data extension" in reply["error"]
+    assert peak - before < JSON_RSS_BOUND, (before, peak)
+    assert latencies and max(latencies) < LIVE_WITHIN_S, latencies
+
+
+def test_a_json_body_within_max_json_bytes_is_served(daemon):
+    row = gateway_row(daemon)
+    status, reply = _send_body(row["http"], _json_body(2 * 1024 * 1024), chunked=False)
+    assert status == 200 and reply["outputs"][0]["shape"] == [2 * 1024 * 1024 // 12 + 1], reply
+
+
+# within one caller's share of the gateway's bytes in flight (a quarter of 4 x 256 MiB)
+BURST_CALLS, BURST_BYTES = 7, 32 * 1024 * 1024
+
+
+def test_an_idle_gateway_gives_back_its_shared_memory_after_a_burst(daemon):
+    """A burst of large gRPC calls (each tensor through the gateway's shared memory, in and
+    out), then nothing: the gateway returns to within twice its start RSS, and the daemon holds
+    no more of its buffers than a few."""
+    row = gateway_row(daemon)
+    start_rss = rss_bytes(row["pid"])
+    array = np.ones((BURST_BYTES // 4,), dtype=np.float32)
+
+    def one_call(_):
+        client = grpcclient.InferenceServerClient(row["grpc"])
+        try:
+            result = infer(client, grpcclient, "echo", {"in": array}, {"in": "FP32"})
+            return bool(np.array_equal(result.as_numpy("output__0"), array))
+        finally:
+            client.close()
+
+    with concurrent.futures.ThreadPoolExecutor(BURST_CALLS) as pool:
+        assert all(pool.map(one_call, range(BURST_CALLS)))
+    burst_rss, burst_buffers = rss_bytes(row["pid"]), daemon.status()["daemon"]["buffers"]
+    settled = poll_until(lambda: (rss_bytes(row["pid"]), daemon.status()["daemon"]["buffers"])
+                         if rss_bytes(row["pid"]) < 2 * start_rss
+                         and daemon.status()["daemon"]["buffers"] <= 4 else None,
+                         timeout=30, message="the gateway's buffers given back")
+    print(f"gateway RSS {start_rss / 2**20:.0f} MiB at start, {burst_rss / 2**20:.0f} MiB after "
+          f"the burst ({burst_buffers} buffers), {settled[0] / 2**20:.0f} MiB idle "
+          f"({settled[1]} buffers)")
+    assert burst_buffers > 4  # the burst did take buffers
+    assert gateway_row(daemon)["pid"] == row["pid"]

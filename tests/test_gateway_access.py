@@ -7,7 +7,9 @@ daemon, its real gateway process, tritonclient, raw HTTP, and real users made he
 
 from __future__ import annotations
 
+import concurrent.futures
 import grp
+import hashlib
 import http.client
 import json
 import os
@@ -18,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +32,7 @@ from tests.test_gateway import (MLP, gateway_daemon, gateway_row, grpcclient, ht
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from modelwarden.gateway import access  # noqa: E402
-from tests.helpers import alive, mlp_model, poll_until, temporary_user  # noqa: E402
+from tests.helpers import alive, mlp_model, poll_until, rss_bytes, temporary_user  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = [mlp_model("mlp", workers=1, outputs=[{"name": "logits", "dtype": "float32", "shape": [-1, 10]}])]
@@ -140,6 +143,54 @@ def test_without_a_token_only_the_health_checks_answer(daemon, token_file):
     assert mlp_requests(daemon) == before  # refused before anything reached the daemon
     assert daemon.status()["gateway"]["restarts"] == 0
     assert daemon.status()["gateway"]["access"] == ["tokens"]
+
+
+def peak_rss_reset(pid: int) -> None:
+    """Start a new VmHWM (peak resident memory) for ``pid`` from its resident memory now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def large_infer_message(nbytes: int) -> bytes:
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name="mlp", raw_input_contents=[b"\1" * nbytes])
+    request.inputs.add(name="x", datatype="FP32", shape=[nbytes // 256, 64])
+    return request.SerializeToString()
+
+
+GRPC_FLOOD_CALLS, GRPC_FLOOD_BYTES = 4, 64 * 1024 * 1024
+GRPC_FLOOD_RSS_BOUND = 64 * 1024 * 1024
+
+
+def test_grpc_refuses_a_call_without_a_token_before_reading_its_message(daemon):
+    """4 concurrent 64 MiB ModelInfer calls without a token: read, they would cost the gateway
+    256 MiB and more (the message, then its parse); refused from the metadata, next to nothing."""
+    import grpc as grpc_module
+
+    pid = gateway_row(daemon)["pid"]
+    message = large_infer_message(GRPC_FLOOD_BYTES)
+    before = rss_bytes(pid)
+    peak_rss_reset(pid)
+    with grpc_module.insecure_channel(gateway_row(daemon)["grpc"]) as channel:
+        call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        started = time.monotonic()
+        futures = [call.future(message, timeout=60) for _ in range(GRPC_FLOOD_CALLS)]
+        codes = [future.exception().code() for future in futures]
+        took = time.monotonic() - started
+    peak = peak_rss(pid)
+    print(f"gateway RSS {before / 2**20:.0f} MiB, peak during the flood {peak / 2**20:.0f} MiB, "
+          f"{GRPC_FLOOD_CALLS} refusals in {took:.2f}s")
+    assert codes == [grpc_module.StatusCode.UNAUTHENTICATED] * GRPC_FLOOD_CALLS
+    assert peak - before < GRPC_FLOOD_RSS_BOUND, (before, peak)
+    assert took < 10
+    assert daemon.status()["gateway"]["pid"] == pid
 
 
 def test_with_a_token_tritonclient_works_unchanged(daemon, token_file):
@@ -541,7 +592,8 @@ def test_connections_that_say_nothing_are_cut_and_a_flood_is_capped():
         assert took is not None and took < read_timeout * 3, took
         for sock in idle + [extra, trickler]:
             sock.close()
-        assert "HTTP connection(s) closed at once: 4 open, max_connections 4" in daemon.log()
+        assert ("gateway: 1 HTTP connection(s) closed at once (max_connections 4 reached) from "
+                "peer:127.0.0.1 in the last minute") in daemon.log()
         # A call whose model takes longer than read_timeout is not cut: only reading is timed.
         status, reply = rest(row["http"], "POST", "/v2/models/slow/infer", body=json.dumps(
             {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [7.0]}]}).encode())[:2]
@@ -738,3 +790,50 @@ def test_a_renewed_client_ca_takes_effect_from_the_next_connection_without_a_res
                    message="the new CA's client served on both listeners")
         assert served(first) == {"http": False, "grpc": False}
         assert gateway_row(daemon)["pid"] == row["pid"]
+
+
+# -- each caller's share -------------------------------------------------------------------------
+
+ECHO_SLOW = {"name": "echo", "source": "python:tests.faulty:make_echo",
+             "kwargs": {"copy": True, "delay": 0.4}, "workers": 1, "cores_per_worker": 1,
+             "threads": 1, "warmup": 0}
+
+
+def test_a_token_that_floods_past_its_share_is_refused_while_another_is_served(tmp_path):
+    tokens = tmp_path / "tokens"
+    flooder, other = new_token(tokens, "flooder"), new_token(tokens, "other")
+    with gateway_daemon([ECHO_SLOW], {"http": "127.0.0.1:0", "grpc": "127.0.0.1:0",
+                                      "token_file": str(tokens), "max_requests_in_flight": 8,
+                                      "identity_share": 0.25}) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        body = json.dumps({"inputs": [{"name": "in", "datatype": "FP32", "shape": [1],
+                                       "data": [3.0]}]}).encode()
+
+        def call(token):
+            return rest(row["http"], "POST", "/v2/models/echo/infer", token, body)[:2]
+
+        with concurrent.futures.ThreadPoolExecutor(10) as pool:
+            flood = [pool.submit(call, flooder) for _ in range(8)]
+            served = [pool.submit(call, other) for _ in range(2)]
+            flood, served = [f.result() for f in flood], [f.result() for f in served]
+        ok = [reply for status, reply in flood if status == 200]
+        refused = [reply for status, reply in flood if status == 429]
+        assert len(ok) + len(refused) == len(flood)  # nothing else: every call typed
+        assert 1 <= len(ok) <= 2 + 2 and len(refused) >= 4, flood  # 2 at a time, 0.4 s each
+        flooder_id = access.token_id(hashlib.sha256(flooder.encode()).digest())
+        assert refused[0]["error"].startswith(f"OVERLOADED: {flooder_id} has 2 calls in flight")
+        assert "identity_share 0.25 of max_requests_in_flight 8" in refused[0]["error"]
+        assert flooder not in refused[0]["error"]
+        assert [status for status, _ in served] == [200, 200], served
+        assert all(reply["outputs"][0]["data"] == [3.0] for _, reply in served + [(200, r) for r in ok])
+        # gRPC: the same share, RESOURCE_EXHAUSTED
+        client = grpcclient.InferenceServerClient(row["grpc"])
+        value = np.ones((1,), dtype=np.float32)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            outcomes = list(pool.map(lambda _: grpc_refusal(lambda: infer(
+                client, grpcclient, "echo", {"in": value}, {"in": "FP32"},
+                headers={"authorization": f"Bearer {flooder}"})), range(6)))
+        assert outcomes.count("StatusCode.RESOURCE_EXHAUSTED") >= 2, outcomes
+        assert set(outcomes) <= {None, "StatusCode.RESOURCE_EXHAUSTED"}, outcomes
+        assert flooder not in instance.log()

@@ -34,3 +34,34 @@ def test_the_spec_names_the_ipc_frontend_and_the_daemon_s_message_limit(tmp_path
     assert gateway.cannot_run(settings) is None
     tcp_only = Settings(daemon={"frontend": ["tcp://127.0.0.1:5555"]}, gateway={"grpc": "127.0.0.1:0"})
     assert "needs an ipc:// frontend" in gateway.cannot_run(tcp_only)
+
+
+def test_the_spec_carries_the_gateway_s_budgets(tmp_path):
+    settings = Settings(daemon={"runtime_dir": str(tmp_path), "max_message_bytes": 1000,
+                                "frontend": [f"ipc://{tmp_path}/f.sock"]},
+                        gateway={"grpc": "127.0.0.1:0", "max_json_bytes": "1KiB",
+                                 "identity_share": 0.5})
+    spec = gateway.gateway_spec(settings, 42)
+    assert spec.max_json_bytes == 1024 and spec.identity_share == 0.5
+    assert spec.max_bytes_in_flight == 4000 and spec.max_requests_in_flight == 1024
+
+
+def test_trim_gives_back_only_free_buffers_idle_since_the_last_trim():
+    from modelwarden.shared.shm import ShmArena
+
+    arena = ShmArena()  # no channel: nothing to unregister
+    big = [arena.alloc(4 * 1024 * 1024) for _ in range(3)]
+    held = arena.alloc(4 * 1024 * 1024)
+    for region in big:
+        region.release()
+    assert arena.trim(keep_bytes=0) == 0  # just used: kept for one interval
+    again = arena.alloc(4 * 1024 * 1024)  # reused since: kept
+    assert arena.trim(keep_bytes=4 * 1024 * 1024) == 4 * 1024 * 1024  # one kept, one dropped
+    assert len(arena._segments) == 3 and held.segment.fd >= 0  # in use: never dropped
+    again.release()
+    held.release()
+    # the one kept by the budget goes now; the two just released, at the next trim
+    assert arena.trim(keep_bytes=0) == 4 * 1024 * 1024
+    assert arena.trim(keep_bytes=0) == 2 * 4 * 1024 * 1024
+    assert not arena._segments and not arena.tokens()
+    arena.close()

@@ -3,7 +3,9 @@ gRPC stubs are what grpcio-tools makes of the committed .proto."""
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -186,3 +188,150 @@ def test_committed_grpc_stubs_are_what_grpcio_tools_generates(tmp_path):
         committed = ROOT / "gateway" / "proto" / generated.name
         assert committed.read_text() == generated.read_text(), (
             f"{committed} is stale: run `make stubs` and commit the result")
+
+
+# -- every bad input is a typed 4xx ---------------------------------------------------------------
+
+import logging  # noqa: E402
+import random  # noqa: E402
+
+from modelwarden.gateway import access, quota  # noqa: E402
+
+FUZZ_CASES = 3000
+_VALUES = [None, True, False, 0, -1, 1, 2**31, 2**63, 10**400, -(2**70), 1.5, float("nan"), "",
+           "FP32", "²", "x" * 300, [], [0], [-1], [2**39, 2**39], [0, 2**39, 2**39], [2**62],
+           [[1, 2], [3]], [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]], {},
+           {"binary_data_size": 2**40}, {"binary_data_size": -4}, {"timeout": 10**400},
+           {"binary_data_output": "yes"}, {"binary_data": 1}, [{"name": 3}], [{}], ["a"]]
+_KEYS = ["name", "datatype", "shape", "data", "parameters"]
+
+
+def _fuzzed_body(rng: random.Random) -> dict:
+    item = {"name": "x", "datatype": rng.choice(list(kserve.DATATYPES) + ["BYTES", 7]),
+            "shape": [2], "data": [1, 2]}
+    for _ in range(rng.randint(1, 3)):
+        item[rng.choice(_KEYS)] = rng.choice(_VALUES)
+    body = {"inputs": [item] * rng.choice([1, 1, 2])}
+    for key in rng.sample(["id", "parameters", "outputs", "inputs"], rng.randint(0, 2)):
+        body[key] = rng.choice(_VALUES)
+    return body
+
+
+def _typed_client_error(call) -> str:
+    """'ok', or the code of a 4xx ProtocolError; anything else fails the test."""
+    try:
+        call()
+    except ProtocolError as exc:
+        assert kserve.http_status(exc.code) < 500, exc
+        return exc.code
+    return "ok"
+
+
+def test_fuzzed_rest_bodies_and_headers_get_only_typed_4xx_errors():
+    rng = random.Random(21)
+    outcomes = collections.Counter()
+    for _ in range(FUZZ_CASES):
+        body = _fuzzed_body(rng)
+        binary = memoryview(bytes(rng.choice([0, 4, 8, 16])))
+        outcomes[_typed_client_error(lambda: kserve.parse_infer_request(body, binary))] += 1
+    for header in ("²", "٣", "1e3", "-1", " 12 ", "9" * 30, "0x10", "", "１２"):
+        outcomes[_typed_client_error(lambda: kserve.header_length(header, 100, 1000))] += 1
+    for raw in (b"\xff\xfe", b"[" * 200_000, b'{"a": 1' , "¹".encode(), b"1" * 5000, b"NaN"):
+        outcomes[_typed_client_error(lambda: kserve.parse_infer_request(
+            kserve.load_json(raw), memoryview(b"")))] += 1
+    assert outcomes["BAD_INPUT"] and outcomes["BAD_REQUEST"] and outcomes["ok"], outcomes
+
+
+def test_the_known_500s_are_400s():
+    with pytest.raises(ProtocolError) as raised:
+        kserve.header_length("²", 10, 100)
+    assert raised.value.code == "BAD_REQUEST"
+    assert kserve.decimal("²") is None and kserve.decimal(" 42 ") == 42
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [0, 2**39, 2**39],
+                        "parameters": {"binary_data_size": 0}}]}
+    with pytest.raises(ProtocolError) as raised:
+        kserve.parse_infer_request(body, memoryview(b""))
+    assert raised.value.code == "BAD_INPUT" and "more than" in raised.value.message
+    assert kserve.timeout_seconds(10**400) == kserve.MAX_TIMEOUT_S
+
+
+def test_fuzzed_grpc_requests_get_only_typed_4xx_errors():
+    pytest.importorskip("grpc")
+    from modelwarden.gateway.grpc_service import decode_inputs
+    from modelwarden.gateway.proto import grpc_predict_v2_pb2 as pb
+
+    rng = random.Random(5)
+    outcomes = collections.Counter()
+    for _ in range(FUZZ_CASES):
+        request = pb.ModelInferRequest(model_name="m")
+        for index in range(rng.choice([0, 1, 1, 2])):
+            item = request.inputs.add(name=rng.choice(["x", "x", "y"]),
+                                      datatype=rng.choice(list(kserve.DATATYPES) + ["BYTES", ""]))
+            item.shape.extend(rng.choice([[2], [0], [-1], [2**39, 2**39], [0, 2**39, 2**39],
+                                          [2**62, 2], [1] * 40, []]))
+            field = rng.choice(["fp32_contents", "int_contents", "int64_contents", "uint_contents",
+                                "bool_contents", "fp64_contents"])
+            values = {"bool_contents": [True, False], "fp32_contents": [1.0, 2.0],
+                      "fp64_contents": [1e300, 2.0]}.get(field, [rng.choice([0, 300, -300, 2**31 - 1]), 1])
+            if field == "uint_contents":  # protobuf itself refuses a negative uint32
+                values = [abs(value) for value in values]
+            getattr(item.contents, field).extend(values)
+        if rng.random() < 0.4:
+            request.raw_input_contents.extend([bytes(rng.choice([0, 8, 16]))] * rng.choice([1, 2]))
+        outcomes[_typed_client_error(lambda: decode_inputs(request))] += 1
+    assert outcomes["BAD_INPUT"] and outcomes["BAD_REQUEST"] and outcomes["ok"], outcomes
+
+
+# -- quotas and refusal lines: policy with a fake clock -------------------------------------------
+
+
+def test_one_identity_gets_its_share_and_gives_everything_back():
+    quotas = quota.Quotas(quota.Limits(max_requests=8, max_bytes=1000, share=0.25))
+    first, second = quotas.admit("token:aaaa"), quotas.admit("token:aaaa")
+    with pytest.raises(quota.QuotaExceeded, match=r"token:aaaa has 2 calls in flight.*identity_share"):
+        quotas.admit("token:aaaa")
+    with quotas.admit("token:bbbb") as other:  # another identity is served meanwhile
+        other.charge(250)
+        with pytest.raises(quota.QuotaExceeded, match="max_bytes_in_flight 1000"):
+            other.charge(1)
+    first.charge(100)
+    assert quotas.usage() == {"token:aaaa": {"requests": 2, "bytes": 100}}
+    first.release(), second.release(), first.release()  # twice is once
+    assert quotas.total == quota.Use() and quotas.usage() == {}
+
+
+def test_the_gateway_s_total_is_never_exceeded_by_many_identities():
+    quotas = quota.Quotas(quota.Limits(max_requests=4, max_bytes=100, share=0.5))
+    tickets = [quotas.admit(f"peer:10.0.0.{n}") for n in range(4)]
+    with pytest.raises(ProtocolError) as raised:
+        quotas.admit("peer:10.0.0.9")
+    assert raised.value.code == "OVERLOADED" and not isinstance(raised.value, quota.QuotaExceeded)
+    assert "max_requests_in_flight" in raised.value.message
+    for ticket in tickets:
+        ticket.release()
+
+
+def test_refusals_are_logged_once_a_minute_per_source_not_per_attempt(caplog):
+    now = [1000.0]
+    log = access.RefusalLog("call(s) refused", clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="modelwarden.gateway.access"):
+        for _ in range(300):  # 300 attempts (each with another key) from one address
+            log.refused("peer:10.0.0.1")
+        log.refused("peer:10.0.0.2")
+        now[0] += 61
+        log.refused("peer:10.0.0.1")
+    lines = [record.getMessage() for record in caplog.records]
+    assert lines == ["gateway: 1 call(s) refused from peer:10.0.0.1 in the last minute",
+                     "gateway: 1 call(s) refused from peer:10.0.0.2 in the last minute",
+                     "gateway: 300 call(s) refused from peer:10.0.0.1 in the last minute"]
+
+
+def test_a_token_is_named_by_its_digest_never_itself():
+    import hashlib
+
+    token = b"a-token-of-forty-characters-0123456789ab"
+    name = access.token_id(hashlib.sha256(token).digest())
+    assert re.fullmatch(r"token:[0-9a-f]{8}", name) and token.decode() not in name
+    assert access.identity(name, "CN=alice", "peer:127.0.0.1") == name
+    assert access.identity(None, "CN=alice", "peer:127.0.0.1") == "cert:CN=alice"
+    assert access.identity(None, None, "uid:1000") == "uid:1000"
