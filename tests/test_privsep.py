@@ -495,3 +495,56 @@ def test_a_hello_naming_a_buffer_socket_in_a_squatted_dir_is_refused(tmp_path, o
     session.accept_offer(offer)
     assert session.arena is not None
     session.close()
+
+
+# -- the pid file: only the daemon's user may open it, so only it may lock it ----------------------
+
+
+CLI = ("import site, sys; site.addsitedir(sys.argv[1]); "
+       "from modelwarden.supervisor.cli import main; sys.exit(main(sys.argv[2:]))")
+HOLD_THE_LOCK = ("import fcntl, sys; f = open(sys.argv[1]); print('opened', flush=True); "
+                 "fcntl.flock(f, fcntl.LOCK_SH); print('locked', flush=True); sys.stdin.read()")
+
+
+def test_a_group_member_cannot_lock_the_pid_file_to_block_a_restart(outsider):
+    user, group = outsider
+    with Daemon([], daemon={"shm_group": group}) as daemon:
+        os.chmod(daemon.dir, 0o755)  # mkdtemp made it 0700: let the member reach run/
+        poll_until(lambda: daemon.status(), 30, message="the daemon answering")
+        pid_file = daemon.dir / "run" / "modelwarden.pid"
+        assert stat.S_IMODE(os.stat(pid_file).st_mode) == 0o600
+        holder = subprocess.Popen(["setpriv", "--reuid", user, "--regid", group, "--init-groups",
+                                   _python_for_others(), "-I", "-S", "-c", HOLD_THE_LOCK, str(pid_file)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd="/")
+        try:
+            said = holder.stdout.readline()  # 'opened' (then it waits for the lock), or nothing
+            assert daemon.stop() == 0
+            assert said == "", "a member opened the pid file"
+            assert "PermissionError" in holder.communicate(timeout=30)[1]
+            # The member still tells a stale socket at once: by the lock alone, as it cannot read the pid.
+            stale = run_as(user, group, [_python_for_others(), "-I", "-S", "-c", CLI,
+                                         sysconfig.get_paths()["purelib"], "status", "--control",
+                                         daemon.control, "--timeout", "20"], timeout=60)
+            assert stale.returncode == 3 and "no daemon runs for" in stale.stderr, stale.stderr
+            assert "nobody holds its pid file's lock" in stale.stderr
+            daemon.start()  # the operator's restart, on the same directory
+            assert poll_until(lambda: daemon.status(), 30, message="the restarted daemon")
+            assert daemon.process.poll() is None
+        finally:
+            holder.kill()
+            holder.communicate()
+
+
+def test_an_existing_pid_file_is_set_to_0600_and_a_foreign_one_refused(tmp_path, outsider):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    os.chmod(run, 0o700)
+    (run / "modelwarden.pid").write_text("12345\n")
+    os.chmod(run / "modelwarden.pid", 0o644)  # as an earlier version made it
+    with runtime.claim_runtime_dir(run, None):
+        assert stat.S_IMODE(os.stat(run / "modelwarden.pid").st_mode) == 0o600
+        assert (run / "modelwarden.pid").read_text() == f"{os.getpid()}\n"
+    os.chown(run / "modelwarden.pid", pwd.getpwnam(outsider[0]).pw_uid, -1)
+    with pytest.raises(DaemonError, match=f"modelwarden.pid: is owned by {outsider[0]}"):
+        runtime.claim_runtime_dir(run, None)
