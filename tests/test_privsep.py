@@ -548,3 +548,58 @@ def test_an_existing_pid_file_is_set_to_0600_and_a_foreign_one_refused(tmp_path,
     os.chown(run / "modelwarden.pid", pwd.getpwnam(outsider[0]).pw_uid, -1)
     with pytest.raises(DaemonError, match=f"modelwarden.pid: is owned by {outsider[0]}"):
         runtime.claim_runtime_dir(run, None)
+
+
+# -- workers' sys.path: python_path and the interpreter's own, never the daemon's cwd ---------------
+
+
+PLANTED = """import pathlib
+pathlib.Path({marker!r}).write_text("the planted module ran")
+raise SystemExit("planted")
+"""
+
+
+class DaemonStartedIn(Daemon):
+    """The real daemon, started as ``python -m modelwarden`` from ``cwd``: sys.path[0] is cwd."""
+
+    def __init__(self, cwd: Path, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cwd = cwd
+
+    def start(self) -> "DaemonStartedIn":
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "modelwarden", "serve", "--config", str(self.config_path)],
+            cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+
+@pytest.mark.parametrize("found_on", ["python_path", "PYTHONPATH"])
+def test_a_module_planted_in_the_daemons_cwd_never_runs_in_a_worker(tmp_path, found_on):
+    """The real module on ``python_path``, or on the interpreter's own path (PYTHONPATH), and
+    one of the same name in the directory the daemon was started from."""
+    import torch
+
+    from modelwarden.examples import make_mlp
+    from modelwarden.supervisor.versions import VersionBook
+
+    models, planted, marker = tmp_path / "models", tmp_path / "cwd", tmp_path / "planted-ran"
+    models.mkdir()
+    planted.mkdir()
+    (models / "trustmlp.py").write_text("from modelwarden.examples import make_mlp\n")
+    (planted / "trustmlp.py").write_text(PLANTED.format(marker=str(marker)))
+    model = mlp_model("trustmlp", workers=1, source="python:trustmlp:make_mlp")
+    if found_on == "python_path":
+        settings, env = {"python_path": [str(models)]}, {}
+    else:
+        settings, env = {"python_path": []}, {"PYTHONPATH": str(models)}
+    with DaemonStartedIn(planted, [model], daemon=settings, env=env) as daemon:
+        daemon.wait_ready()
+        x = torch.randn(3, 64)
+        with Client(daemon.endpoint) as client:
+            torch.testing.assert_close(client.infer("trustmlp", x), make_mlp(hidden=32).eval()(x))
+        config = load_settings(daemon.config_path).models[0]
+        version = daemon.status()["models"][0]["version"]
+        assert version == VersionBook(daemon.dir, [str(models)]).of(config)  # the real file's
+        assert version != VersionBook(daemon.dir, [str(planted)]).of(config)
+    assert not marker.exists()
