@@ -221,6 +221,7 @@ CONFIG = """
 runtime_dir = "{runtime}"
 heartbeat_interval = 1.0
 log_level = "WARNING"
+python_path = ["{root}"]
 
 [[models]]
 name = "identity"
@@ -237,7 +238,8 @@ interval = 0.0
 def start_daemon(workdir: Path, workers: int = 1, max_queue: int = 1024) -> subprocess.Popen:
     """The daemon serving the identity model (1 thread per worker, no probes), once it answers."""
     config = workdir / "bench.toml"
-    config.write_text(CONFIG.format(runtime=workdir / "run", workers=workers, max_queue=max_queue))
+    config.write_text(CONFIG.format(runtime=workdir / "run", root=ROOT, workers=workers,
+                                    max_queue=max_queue))
     daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
                               cwd=ROOT)
     return wait_until_serving(daemon, f"ipc://{workdir}/run/frontend.sock")

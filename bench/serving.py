@@ -264,7 +264,8 @@ def mw_configs() -> list[tuple[str, dict | None]]:
 
 def mw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict | None) -> str:
     lines = ["[daemon]", f'runtime_dir = "{runtime}"', "heartbeat_interval = 1.0",
-             'log_level = "WARNING"', "allow_oversubscription = true", ""]
+             'log_level = "WARNING"', "allow_oversubscription = true",
+             f'python_path = ["{ROOT}"]', ""]
     models = [(workload.name.lower(), workload, 2) for workload in workloads.values()]
     if batching is None and "W2" in workloads:
         models.append(("w2_one", workloads["W2"], 1))

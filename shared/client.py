@@ -43,7 +43,10 @@ Errors. A failed request raises a subclass of RemoteError whose ``code`` is the 
 code (``BadInput``, ``ModelError``, ``Timeout``...). A daemon that does not answer within the
 timeout (plus a grace second) raises Timeout too, saying so. An ``ipc://`` socket that exists
 but that this process may not reach (file permissions: see docs/ARCHITECTURE.md, "Trust
-boundary") raises PermissionError at once, naming the path and who may reach it.
+boundary") raises PermissionError at once, naming the path and who may reach it. With no
+endpoint and no configuration, a runtime directory or socket that another user made (say a
+squatted ``/tmp/modelwarden-UID``) raises UntrustedRuntimeDir, a PermissionError, at once, and
+so does a ``buffers.sock`` in such a directory that the daemon's hello names: nothing is sent.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ import torch
 import zmq
 
 from modelwarden.shared import protocol
-from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, client_runtime_dir, load_settings
+from modelwarden.shared.config import ENV_ENDPOINT, ConfigError, load_settings
 from modelwarden.shared.control import control_request
 from modelwarden.shared.curve import ClientKeys, client_keys, make_curve_client
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
@@ -69,6 +72,7 @@ from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, Mode
                            UnknownModel, WorkerDied, error_from_reply)
 from modelwarden.shared.ipcaccess import check_ipc_endpoint
 from modelwarden.shared.protocol import SIGNATURE
+from modelwarden.shared.rawconfig import client_runtime_dir, discovered_socket
 from modelwarden.shared.session import Reply, Session
 from modelwarden.shared.sockets import recv_parts, send_parts
 
@@ -81,7 +85,9 @@ HELLO_TIMEOUT_S = 10.0  # the first exchange has no queue to wait in: a silent d
 
 def default_endpoint() -> str:
     """MODELWARDEN_ENDPOINT; else the first frontend of MODELWARDEN_CONFIG; else the local
-    daemon's default socket."""
+    daemon's default socket, once its directory and socket show that this user, root or the
+    system daemon made them (shared/trustdir.py: UntrustedRuntimeDir, a PermissionError,
+    naming the path and its owner; NoDaemon when the directory does not exist)."""
     if os.environ.get(ENV_ENDPOINT):
         return os.environ[ENV_ENDPOINT]
     if os.environ.get("MODELWARDEN_CONFIG"):
@@ -92,7 +98,7 @@ def default_endpoint() -> str:
         ipc = [endpoint for endpoint in frontends if endpoint.startswith("ipc://")]
         if ipc or frontends:
             return (ipc or frontends)[0]
-    return f"ipc://{client_runtime_dir()}/frontend.sock"
+    return discovered_socket(client_runtime_dir(), "frontend.sock")
 
 
 # -- one socket ---------------------------------------------------------------------------------

@@ -53,16 +53,21 @@ def stale_socket(path: Path) -> str | None:
     holds it: a socket left by a daemon that stopped. None when a daemon holds it, when there
     is no pid file beside the socket (or one level up, for ``private/``), or when we cannot tell.
     Both must say so: no lock on the pid file in /proc/locks (looking must not take the lock a
-    starting daemon needs) and no process with the pid it names. Any doubt answers None, and the
-    caller waits for a reply as before."""
+    starting daemon needs) and no process with the pid it names. The pid file is 0600 (only the
+    daemon's user may open it, so only it may lock it): to a member of ``shm_group`` the lock
+    alone says so. Any doubt answers None, and the caller waits for a reply as before."""
     for runtime in (path.parent, path.parent.parent):
         pid_file = runtime / PID_FILE
         try:
             info = os.stat(pid_file)
         except OSError:
             continue
+        if _flock_held(info) is not False:
+            return None
+        if not os.access(pid_file, os.R_OK, effective_ids=True):
+            return f"no daemon runs for {runtime} (stale socket: nobody holds its pid file's lock)"
         pid = _pid_in(pid_file)
-        if pid is None or _alive(pid) or _flock_held(info) is not False:
+        if pid is None or _alive(pid):
             return None
         return f"no daemon runs for {runtime} (stale socket from pid {pid})"
     return None

@@ -14,6 +14,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from modelwarden.shared.trustdir import check_runtime_dir, check_socket_in
+
 ENV_PREFIX = "MODELWARDEN_"
 ENV_CONFIG = "MODELWARDEN_CONFIG"
 ENV_ENDPOINT = "MODELWARDEN_ENDPOINT"
@@ -21,6 +23,7 @@ ENV_SERVER_KEY = "MODELWARDEN_SERVER_KEY"
 ENV_CLIENT_KEY = "MODELWARDEN_CLIENT_KEY"
 _NOT_OVERRIDES = {ENV_CONFIG, ENV_ENDPOINT, ENV_SERVER_KEY, ENV_CLIENT_KEY}
 SYSTEM_RUNTIME_DIR = Path("/run/modelwarden")  # the system daemon's (root's default)
+PID_FILE = "modelwarden.pid"  # supervisor/runtime.py: the daemon's lock
 
 
 class ConfigError(Exception):
@@ -104,13 +107,36 @@ def default_runtime_dir() -> Path:
 def client_runtime_dir() -> Path:
     """Where a client with no configuration looks for the daemon: its own default runtime
     directory if a daemon has run there (its pid file), else the system daemon's when there is
-    one, so a member of ``shm_group`` reaches it without MODELWARDEN_CONFIG."""
+    one, so a member of ``shm_group`` reaches it without MODELWARDEN_CONFIG. Nobody configured
+    that directory, so it is checked before it is used (shared/trustdir.py): UntrustedRuntimeDir
+    when another user made it, NoDaemon when it does not exist; never a fallback."""
     own = default_runtime_dir()
     # The system directory itself, not its pid file: someone outside the group cannot see into
     # it, and should be told "permission denied" there rather than "no socket" in their own.
-    if (own / "modelwarden.pid").exists() or not SYSTEM_RUNTIME_DIR.is_dir():
-        return own
-    return SYSTEM_RUNTIME_DIR
+    if os.path.lexists(own / PID_FILE) or not SYSTEM_RUNTIME_DIR.is_dir():
+        chosen = own
+    else:
+        chosen = SYSTEM_RUNTIME_DIR
+    check_runtime_dir(chosen)
+    return chosen
+
+
+def discovered_socket(runtime: Path, name: str) -> str:
+    """``ipc://RUNTIME/NAME`` for a directory found by ``client_runtime_dir``, once the socket
+    (and ``private/`` for the admin socket) pass the same check."""
+    path = runtime / name
+    check_socket_in(runtime, path)
+    return f"ipc://{path}"
+
+
+def check_announced_channel(channel: str) -> None:
+    """The ``buffers.sock`` a daemon's hello names, checked before a descriptor goes there
+    when it lies in a directory a client looks in unconfigured (another user may have made
+    it); elsewhere the daemon's configuration put it, and the client trusts that daemon."""
+    path = Path(channel)
+    for runtime in {default_runtime_dir(), SYSTEM_RUNTIME_DIR}:
+        if path.parent == runtime or path.parent.parent == runtime:
+            check_socket_in(runtime, path)
 
 
 def runtime_dir(configured: str | Path | None, base_dir: Path) -> Path:
@@ -132,7 +158,8 @@ def admin_endpoint(runtime: Path, configured: str | None) -> str:
 def command_endpoint(path: str | Path | None, mutating: bool) -> str:
     """The socket a control command talks to, read without validating the whole file: a daemon
     whose file has since been broken by an edit still answers ``status``. With no file and no
-    ``runtime_dir``, the daemon is looked for where ``client_runtime_dir`` says."""
+    ``runtime_dir``, the daemon is looked for where ``client_runtime_dir`` says, and the
+    directory and socket are checked first (UntrustedRuntimeDir, NoDaemon)."""
     resolved = config_path(path)
     daemon = raw_settings(resolved).get("daemon", {})
     if not isinstance(daemon, dict):
@@ -140,10 +167,11 @@ def command_endpoint(path: str | Path | None, mutating: bool) -> str:
     for key in ("runtime_dir", "control", "admin"):
         if daemon.get(key) is not None and not isinstance(daemon[key], str):
             raise ConfigError(f"daemon.{key}", "must be a string")
-    if resolved is None and daemon.get("runtime_dir") is None:
+    if resolved is None and daemon.get("runtime_dir") is None and not daemon.get(
+            "admin" if mutating else "control"):
         runtime = client_runtime_dir()
-    else:
-        runtime = runtime_dir(daemon.get("runtime_dir"), resolved.parent if resolved else Path.cwd())
+        return discovered_socket(runtime, "private/admin.sock" if mutating else "control.sock")
+    runtime = runtime_dir(daemon.get("runtime_dir"), resolved.parent if resolved else Path.cwd())
     if mutating:
         return admin_endpoint(runtime, daemon.get("admin"))
     return control_endpoint(runtime, daemon.get("control"))

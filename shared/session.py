@@ -25,6 +25,7 @@ from modelwarden.shared.descriptors import InferReply, ReplyError, parse_reply
 from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout
 from modelwarden.shared.fdchannel import BufferChannel
 from modelwarden.shared.protocol import SIGNATURE, ProtocolError, TensorDesc
+from modelwarden.shared.rawconfig import check_announced_channel
 from modelwarden.shared.shm import ALIGN, Region, ShmArena
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,13 @@ class Session:
         with self._lock:
             if self.offer is not None:
                 return
-            self.offer = offer
             shm = offer.get("shm") or {}
-            if self.want_shm and shm.get("enabled"):
+            use_shm = self.want_shm and shm.get("enabled")
+            if use_shm and isinstance(shm.get("channel"), str):
+                # Before the offer is taken: no descriptor ever goes to an impostor's socket.
+                check_announced_channel(shm["channel"])
+            self.offer = offer
+            if use_shm:
                 self.threshold = int(shm.get("threshold", 64 * 1024))
                 self.arena = ShmArena(BufferChannel(shm["channel"]))
 

@@ -4,15 +4,17 @@ by the worker (to map it), without importing anything.
   ``PATH``              relative to the configuration file's directory (or absolute)
   ``package:NAME/PATH`` a file inside the installed top-level package NAME (a package that ships
                         weights, e.g. the ``examples`` extra's all-MiniLM-L6-v2), found on the
-                        daemon's ``python_path`` then ``sys.path``
+                        daemon's ``python_path`` then the interpreter's own paths (never
+                        the working directory: shared/syspath.py)
 """
 
 from __future__ import annotations
 
 import importlib.machinery
-import sys
 from pathlib import Path
 from typing import Iterable
+
+from modelwarden.shared.syspath import interpreter_paths
 
 PACKAGE_PREFIX = "package:"
 
@@ -26,7 +28,7 @@ def resolve_weights_file(value: str, base_dir: Path, python_path: Iterable[str] 
         path = Path(value).expanduser()
         return path if path.is_absolute() else Path(base_dir) / path
     package, _, inner = value[len(PACKAGE_PREFIX):].partition("/")
-    spec = importlib.machinery.PathFinder.find_spec(package, [*python_path, *sys.path])
+    spec = importlib.machinery.PathFinder.find_spec(package, [*python_path, *interpreter_paths()])
     if spec is None or not spec.submodule_search_locations:
         raise WeightsFileError(f"weights_file {value!r}: package {package!r} is not installed")
     return Path(list(spec.submodule_search_locations)[0]) / inner

@@ -123,7 +123,11 @@ class Arbiter:
         return load_golden(self.settings.resolve(golden)) if golden else None
 
     def _python_path(self) -> list[str]:
-        return [os.getcwd()] + [str(self.settings.resolve(p)) for p in self.settings.daemon.python_path]
+        # The configured directories, then the interpreter's own: never the daemon's cwd
+        # (shared/syspath.py says why).
+        from modelwarden.shared.syspath import worker_path
+
+        return worker_path(str(self.settings.resolve(p)) for p in self.settings.daemon.python_path)
 
     # -- life -------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ The contract:
 - Keys are read at start; an unreadable or malformed key file or directory is a ConfigError
   naming it (exit 2). SIGHUP reads the client keys again (``reload``); a failure then keeps the
   keys in force and logs an ERROR.
-- A refused key is logged at WARNING once per peer (address and key) per minute, so a client
-  that keeps reconnecting does not flood the log. pyzmq's own authenticator log goes to a
+- A refused handshake is logged at WARNING once per source address per minute, with the number
+  of refusals from it since its last line (shared/lograte.py): neither a client that keeps
+  reconnecting nor one with a fresh key for every handshake floods the log. pyzmq's own authenticator log goes to a
   child logger that shows WARNING and above only: its DEBUG lines describe every handshake.
 - Not seen here: a client without CURVE (a mechanism mismatch) or with a wrong server key (its
   HELLO does not decrypt) fails in libzmq's handshake before ZAP is asked. It gets no reply,
@@ -39,13 +40,13 @@ from zmq.utils import z85
 
 from modelwarden.shared.config import ConfigError, Settings, is_exposed_tcp
 from modelwarden.shared.curve import read_key_file
+from modelwarden.shared.lograte import LineBudget
 
 logger = logging.getLogger(__name__)
 _pyzmq_log = logging.getLogger(__name__ + ".pyzmq")
 _pyzmq_log.setLevel(logging.WARNING)
 
-REFUSAL_LOG_INTERVAL = 60.0  # seconds between two WARNINGs for the same peer
-_REMEMBERED_PEERS = 4096  # beyond this, forget peers not seen for an interval (a scan of keys)
+REFUSAL_LOG_INTERVAL = 60.0  # seconds between two WARNINGs for the same source address
 ZAP_OK = b"200"
 ZAP_DOMAIN = "modelwarden"  # libzmq 4.3 asks ZAP only for sockets that name a domain
 
@@ -120,21 +121,12 @@ def warn_plaintext(settings: Settings) -> None:
                            "[daemon.curve] to authenticate and encrypt it", endpoint)
 
 
-class RefusalLog:
-    """When each peer was last reported: one report per peer per ``interval``."""
+class RefusalLog(LineBudget):
+    """Refused CURVE handshakes, reported per source address (never per key: a client that
+    makes a fresh key pair for every handshake is still one source) once per ``interval``."""
 
     def __init__(self, interval: float = REFUSAL_LOG_INTERVAL) -> None:
-        self.interval = interval
-        self._last: dict[tuple, float] = {}
-
-    def due(self, peer: tuple, now: float) -> bool:
-        last = self._last.get(peer)
-        if last is not None and now - last < self.interval:
-            return False
-        if len(self._last) >= _REMEMBERED_PEERS:
-            self._last = {p: t for p, t in self._last.items() if now - t < self.interval}
-        self._last[peer] = now
-        return True
+        super().__init__(interval)
 
 
 class ZapHandler(Authenticator):
@@ -187,10 +179,12 @@ class ZapHandler(Authenticator):
         mechanism = message[5].decode("ascii", "replace") if len(message) > 5 else "?"
         credential = message[6] if len(message) > 6 else b""
         key = z85.encode(credential).decode("ascii") if len(credential) == 32 else "none"
-        if self.refusals.due((address, key), self._clock()):
-            logger.warning("CURVE: refused %s from %s, client key %s (not in %s); next report "
-                           "for this peer in %.0fs at the earliest", mechanism, address, key,
-                           self.client_keys, self.refusals.interval)
+        refused = self.refusals.due(address, self._clock())
+        if refused:
+            logger.warning("CURVE: refused %s from %s, client key %s (not in %s); %d refusal(s) "
+                           "from this address since its last report; next report in %.0fs at "
+                           "the earliest", mechanism, address, key, self.client_keys, refused,
+                           self.refusals.interval)
 
 
 def _finish_now(coroutine) -> None:

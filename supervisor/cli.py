@@ -266,8 +266,12 @@ def _watch(args, endpoint: str, header: dict) -> int:
 
 def _command_endpoint(args, mutating: bool) -> str:
     """Mutating commands go to the admin socket, the others to the control socket, found in the
-    file without validating all of it (shared/rawconfig.py: status stays light)."""
+    file without validating all of it (shared/rawconfig.py: status stays light). Found with no
+    configuration at all, the directory and socket must pass shared/trustdir.py's checks: a
+    refusal is one line and exit 3, as for a daemon that cannot be reached."""
+    from modelwarden.shared.ipcaccess import NoDaemon
     from modelwarden.shared.rawconfig import ConfigError, command_endpoint
+    from modelwarden.supervisor.commands import EXIT_UNREACHABLE
 
     given = args.admin if mutating else args.control
     if given:
@@ -276,6 +280,8 @@ def _command_endpoint(args, mutating: bool) -> str:
         return command_endpoint(args.config, mutating)
     except ConfigError as exc:
         raise SystemExit(_fail(f"config error: {exc}", EXIT_CONFIG)) from None
+    except (PermissionError, NoDaemon) as exc:  # UntrustedRuntimeDir is a PermissionError
+        raise SystemExit(_fail(str(exc), EXIT_UNREACHABLE)) from None
 
 
 def cmd_infer(args) -> int:

@@ -5,7 +5,7 @@ Layout (docs/ARCHITECTURE.md, "Trust boundary"):
     RUNTIME/               0700, or 0750 group-owned by ``shm_group``: clients may enter
       frontend.sock        0600, or 0660 group-owned: requests
       control.sock         0600, or 0660 group-owned: read-only commands (status)
-      modelwarden.pid      the lock
+      modelwarden.pid      0600, the lock: only the daemon's user can open it, so only it can lock it
       private/             0700 always: only the daemon's user (and root) may enter
         backend.sock       workers
         admin.sock         commands that change things (stop, restart)
@@ -34,6 +34,8 @@ from typing import IO
 
 PRIVATE_MODE = 0o700
 SHARED_MODE = 0o750  # group may enter (and list); only we may create or remove entries
+PID_FILE = "modelwarden.pid"
+PID_FILE_MODE = 0o600  # only the daemon's user may open it, so only it may lock it
 
 
 class DaemonError(RuntimeError):
@@ -45,12 +47,7 @@ def claim_runtime_dir(runtime: Path, group: str | None) -> IO:
     The returned file holds the lock until it is closed (or the process dies)."""
     gid = group_id(group) if group else None
     ensure_dir(runtime, SHARED_MODE if group else PRIVATE_MODE, gid)
-    try:
-        fd = os.open(runtime / "modelwarden.pid", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644)
-        lock = os.fdopen(fd, "r+")
-    except OSError as exc:
-        raise DaemonError(f"cannot open the pid file in {runtime}: {exc}") from None
+    lock = _open_pid_file(runtime / PID_FILE)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -63,6 +60,28 @@ def claim_runtime_dir(runtime: Path, group: str | None) -> IO:
     lock.write(f"{os.getpid()}\n")
     lock.flush()
     return lock
+
+
+def _open_pid_file(path: Path) -> IO:
+    """The pid file, 0600 and ours. Anyone who can open a file can flock it: a 0644 pid file in
+    the group's 0750 directory let a member hold a shared lock and keep the daemon from starting
+    again. One left 0644 (or widened) is set back to 0600 through the descriptor."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PID_FILE_MODE)
+    except OSError as exc:
+        raise DaemonError(f"cannot open the pid file in {path.parent}: {exc}") from None
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_uid != os.geteuid():
+        problem = f"is owned by {_user(info.st_uid)}, not by us ({_user(os.geteuid())})"
+    elif stat.S_IMODE(info.st_mode) != PID_FILE_MODE:
+        os.fchmod(fd, PID_FILE_MODE)
+    if problem:
+        os.close(fd)
+        raise DaemonError(f"pid file {path}: {problem}; refusing to use it")
+    return os.fdopen(fd, "r+")
 
 
 def claim_private_dir(path: Path) -> None:

@@ -5,9 +5,10 @@ what the worker will load, without importing it (the supervisor never imports to
 model's code): the first 12 hex digits of a SHA-256 over
 
   * the model file's bytes, for ``torchscript:PATH`` and ``export:PATH``;
-  * the factory module's source file, for ``python:module:callable`` (found on the daemon's
-    ``python_path`` and ``sys.path`` the way the worker's import will find it: ``a/b.py`` or
-    ``a/b/__init__.py``; a module with no source file found hashes its name);
+  * the factory module's source file, for ``python:module:callable`` (found on the path the
+    worker's ``sys.path`` is set to, shared/syspath.py: ``python_path`` then the interpreter's
+    own, never the daemon's working directory; ``a/b.py`` or ``a/b/__init__.py``; a module with
+    no source file found hashes its name);
   * the ``weights_file``'s bytes, when one is set;
   * and the model's ``kwargs``, which change what the factory builds as much as its code does.
 
@@ -26,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -63,7 +63,7 @@ class VersionBook:
             path = Path(rest).expanduser()
             return path if path.is_absolute() else self.base_dir / path
         module = rest.partition(":")[0]
-        return find_module_file(module, [*self.python_path, *sys.path])
+        return find_module_file(module, self.python_path)  # the worker's whole sys.path
 
     def _weights_digest(self, weights_file: str) -> str:
         try:

@@ -1,11 +1,20 @@
-"""What a member of the clients' group can and cannot do to a running daemon.
+"""What a member of the clients' group can and cannot do to a running daemon, and an impostor
+that squats another user's fallback runtime directory.
 
 Run by tests/test_privsep.py as an unprivileged user (setpriv), possibly with a system python
 that reaches our virtual environment through ``site.addsitedir``:
 
     python tests/outsider.py SITE_PACKAGES RUNTIME_DIR
+    python tests/outsider.py impostor RUNTIME_DIR READY_FILE
+    python tests/outsider.py victim SITE_PACKAGES
 
-Prints one JSON object: what each attempt gave. Makes no judgement; the test does.
+The first prints one JSON object: what each attempt gave. The impostor (the standard library
+only) makes RUNTIME_DIR as a daemon would look from outside -- a locked ``modelwarden.pid``,
+listening ``frontend.sock``, ``control.sock`` and ``buffers.sock`` anyone may connect to --,
+writes READY_FILE, and until SIGTERM accepts whatever connects; then it prints one JSON object
+counting the connections on each socket. The victim, with no configuration, tries
+``Client().infer``, ``AsyncClient().infer``, ``modelwarden status --json`` and
+``modelwarden stop``, and prints what each gave. None makes a judgement; the test does.
 """
 
 from __future__ import annotations
@@ -15,11 +24,21 @@ import io
 import json
 import os
 import site
+import fcntl
+import select
+import signal
 import socket
 import sys
+from pathlib import Path
 
 
 def main() -> None:
+    if sys.argv[1] == "impostor":
+        impostor(Path(sys.argv[2]), Path(sys.argv[3]))
+        return
+    if sys.argv[1] == "victim":
+        victim(sys.argv[2])
+        return
     site.addsitedir(sys.argv[1])  # the venv's .pth files: the editable modelwarden install
     runtime = sys.argv[2]
     import numpy as np
@@ -75,8 +94,70 @@ def _cli(argv: list[str]) -> dict:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = cli_main(argv)
+        try:
+            code = cli_main(argv)
+        except SystemExit as exc:  # how the CLI ends where it finds its socket
+            code = exc.code
     return {"code": code, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def victim(site_packages: str) -> None:
+    site.addsitedir(site_packages)
+    import asyncio
+
+    import numpy as np
+
+    from modelwarden.shared.client import AsyncClient, Client
+
+    x = np.ones((2, 64), np.float32)
+    found: dict = {}
+    try:
+        with Client(timeout=5) as client:
+            found["client"] = f"served {client.infer('mlp', x).shape}"
+    except Exception as exc:
+        found["client"] = f"{type(exc).__name__}: {exc}"
+
+    async def infer_async() -> str:
+        async with AsyncClient(timeout=5) as client:
+            return f"served {(await client.infer('mlp', x)).shape}"
+
+    try:
+        found["async_client"] = asyncio.run(infer_async())
+    except Exception as exc:
+        found["async_client"] = f"{type(exc).__name__}: {exc}"
+    found["cli_status"] = _cli(["status", "--json", "--timeout", "5"])
+    found["cli_stop"] = _cli(["stop", "--timeout", "5"])
+    print(json.dumps(found))
+
+
+IMPOSTOR_SOCKETS = {"frontend.sock": socket.SOCK_STREAM, "control.sock": socket.SOCK_STREAM,
+                    "buffers.sock": socket.SOCK_SEQPACKET}  # what ZeroMQ ipc and fdchannel use
+
+
+def impostor(runtime: Path, ready: Path) -> None:
+    runtime.mkdir(mode=0o755)
+    os.chmod(runtime, 0o755)
+    lock = open(runtime / "modelwarden.pid", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    listeners = {}
+    for name, kind in IMPOSTOR_SOCKETS.items():
+        sock = socket.socket(socket.AF_UNIX, kind)
+        sock.bind(str(runtime / name))
+        os.chmod(runtime / name, 0o666)
+        sock.listen(16)
+        listeners[sock] = name
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))  # only records
+    connections = {name: 0 for name in IMPOSTOR_SOCKETS}
+    ready.write_text("listening\n")
+    while not stopping:
+        readable, _, _ = select.select(list(listeners), [], [], 0.1)
+        for sock in readable:
+            connections[listeners[sock]] += 1
+            sock.accept()[0].close()
+    print(json.dumps({"connections": connections}), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 from zmq.auth.certs import load_certificate
+from zmq.utils.monitor import recv_monitor_message
 
 from modelwarden.shared import protocol
 from modelwarden.shared.client import AsyncClient, Client, Timeout
@@ -179,6 +181,46 @@ def test_wrong_or_missing_keys_get_nothing_and_refusals_are_logged_once(curve_da
     assert not refused_lines(curve_daemon, keys.alice_public)
     with alice(curve_daemon, keys) as client:  # the daemon serves on
         assert client.infer(MODEL, sample_input()).shape == (8, 10)
+
+
+FRESH_KEYS = 60
+
+
+def refused_by_zap(context: zmq.Context, endpoint: str, server_public: bytes) -> bool:
+    """One handshake with a key pair made for it alone: whether the server refused it (the
+    client's monitor sees the server's ERROR: ZAP said no)."""
+    public, secret = zmq.curve_keypair()
+    sock = context.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, public, secret
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    try:
+        sock.connect(endpoint)
+        return bool(monitor.poll(10_000)) and recv_monitor_message(monitor)["event"] == \
+            zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+
+
+def test_fresh_keys_from_one_address_get_one_line(keys):
+    """A scan of keys is one source: one WARNING a minute for its address, not one per key."""
+    tcp = f"tcp://127.0.0.1:{free_port()}"
+    curve = {"server_secret_key": str(keys.server_secret), "client_keys": str(keys.allowed)}
+    with Daemon([], daemon={"curve": curve}, extra_frontends=[tcp]) as daemon:
+        poll_until(lambda: daemon.status(), 30, message="the daemon answering")
+        context = zmq.Context()
+        try:
+            server_public = z85_public(keys.server_public).encode()
+            refused = sum(refused_by_zap(context, tcp, server_public) for _ in range(FRESH_KEYS))
+        finally:
+            context.term()
+        assert refused == FRESH_KEYS
+        lines = [line for line in daemon.log().splitlines() if REFUSED in line]
+        assert len(lines) == 1, lines[:3]
+        assert "from 127.0.0.1" in lines[0] and "1 refusal(s) from this address" in lines[0]
+        assert daemon.status()["daemon"]["pid"] == daemon.process.pid
 
 
 def test_a_key_file_that_cannot_be_used_is_a_clear_error(curve_daemon, keys):

@@ -13,6 +13,7 @@ import os
 import pwd
 import secrets
 import shutil
+import socket
 import stat
 import subprocess
 import sys
@@ -23,9 +24,11 @@ import numpy as np
 import pytest
 import zmq
 
-from modelwarden.shared import protocol
+from modelwarden.shared import protocol, rawconfig, trustdir
 from modelwarden.shared.client import Client, control_request
 from modelwarden.shared.config import load_settings
+from modelwarden.shared.ipcaccess import NoDaemon
+from modelwarden.shared.session import Session
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import runtime
 from modelwarden.supervisor.arbiter import Arbiter
@@ -372,3 +375,231 @@ def test_control_socket_refuses_mutating_commands_from_anyone(tmp_path):
                              capture_output=True, text=True, cwd=ROOT, timeout=30)
         assert cli.returncode == 0 and cli.stdout.strip() == "stopping"
         assert daemon.process.wait(30) == 0
+
+
+# -- a client trusts only a runtime directory it can verify ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def victim():
+    """A second real user: the one whose fallback directory the outsider squats."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("creates a user and a group, runs as them: needs root and setpriv")
+    with temporary_user("mwv") as (user, group):
+        yield user, group
+
+
+def test_a_squatted_fallback_dir_is_refused_by_every_client_and_never_reached(outsider, victim):
+    attacker, attacker_group = outsider
+    user, group = victim
+    site_packages = sysconfig.get_paths()["purelib"]
+    if not _reachable_by_all(Path(site_packages) / "x") or not _reachable_by_all(ROOT / "tests" / "x"):
+        pytest.skip(f"{site_packages} or {ROOT} is not readable by other users")
+    python, script = _python_for_others(), str(ROOT / "tests" / "outsider.py")
+    squat = Path(f"/tmp/modelwarden-{pwd.getpwnam(user).pw_uid}")
+    if os.path.lexists(squat):
+        pytest.skip(f"{squat} exists already")
+    ready = squat / "listening"
+    impostor = subprocess.Popen(["setpriv", "--reuid", attacker, "--regid", attacker_group,
+                                 "--init-groups", python, "-I", "-S", script, "impostor",
+                                 str(squat), str(ready)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        poll_until(lambda: ready.exists() or impostor.poll() is not None, 30,
+                   message="the impostor listening")
+        assert impostor.poll() is None, impostor.communicate()
+        result = run_as(user, group, [python, "-I", "-S", script, "victim", site_packages])
+    finally:
+        impostor.terminate()
+        seen, impostor_err = impostor.communicate(timeout=30)
+        shutil.rmtree(squat, ignore_errors=True)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(result.stdout)
+    says = f"refusing {squat}: it is owned by {attacker} (uid {pwd.getpwnam(attacker).pw_uid})"
+    for client in ("client", "async_client"):
+        assert found[client].startswith(f"UntrustedRuntimeDir: {says}"), found[client]
+        assert "\n" not in found[client]
+    for command in ("cli_status", "cli_stop"):
+        done = found[command]
+        assert done["code"] == 3 and done["stdout"] == "", done
+        assert done["stderr"].startswith(f"modelwarden: {says}") and done["stderr"].count("\n") == 1, done
+    connections = json.loads(seen)["connections"]
+    assert connections == {"frontend.sock": 0, "control.sock": 0, "buffers.sock": 0}, impostor_err
+
+
+def _listening_socket(path: Path, mode: int) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, mode)
+    return sock
+
+
+def test_the_runtime_dir_checker_refuses_what_the_daemon_does_not_make(tmp_path, outsider):
+    uid = pwd.getpwnam(outsider[0]).pw_uid
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o700)
+    frontend = _listening_socket(run / "frontend.sock", 0o600)
+    try:
+        trustdir.check_socket_in(run, run / "frontend.sock")  # as the daemon makes it
+        trustdir.check_socket_in(run, run / "private" / "admin.sock")  # absent: nothing to judge
+        (tmp_path / "link").symlink_to(run)
+        with pytest.raises(trustdir.UntrustedRuntimeDir, match="link: it is owned by .* is a symbolic link"):
+            trustdir.check_runtime_dir(tmp_path / "link")
+        os.chmod(run / "frontend.sock", 0o666)
+        with pytest.raises(trustdir.UntrustedRuntimeDir, match="frontend.sock: .* has mode 0666"):
+            trustdir.check_socket_in(run, run / "frontend.sock")
+        os.chmod(run / "frontend.sock", 0o600)
+        os.chown(run / "frontend.sock", uid, -1)
+        with pytest.raises(trustdir.UntrustedRuntimeDir,
+                           match=f"frontend.sock: it is owned by {outsider[0]} .* not by root"):
+            trustdir.check_socket_in(run, run / "frontend.sock")
+        os.chmod(run, 0o755)
+        with pytest.raises(trustdir.UntrustedRuntimeDir, match="run: .* has mode 0755, not 0700 or 0750"):
+            trustdir.check_runtime_dir(run)
+    finally:
+        frontend.close()
+    with pytest.raises(NoDaemon, match="does not exist"):
+        trustdir.check_runtime_dir(tmp_path / "absent")
+
+
+def test_a_foreign_dir_is_trusted_only_where_root_alone_could_make_it(tmp_path, outsider):
+    uid = pwd.getpwnam(outsider[0]).pw_uid
+    shared_tmp, root_only = tmp_path / "tmp", tmp_path / "run"
+    for parent, mode in ((shared_tmp, 0o1777), (root_only, 0o755)):
+        parent.mkdir()
+        os.chmod(parent, mode)
+        (parent / "modelwarden").mkdir()
+        os.chmod(parent / "modelwarden", 0o750)
+        os.chown(parent / "modelwarden", uid, -1)
+    with pytest.raises(trustdir.UntrustedRuntimeDir, match=f"owned by {outsider[0]} .* not by root"):
+        trustdir.check_runtime_dir(shared_tmp / "modelwarden")  # anyone could have made it
+    trustdir.check_runtime_dir(root_only / "modelwarden")  # systemd's RuntimeDirectory= for a user
+
+
+def test_a_hello_naming_a_buffer_socket_in_a_squatted_dir_is_refused(tmp_path, outsider, monkeypatch):
+    shared_tmp = tmp_path / "tmp"
+    shared_tmp.mkdir()
+    os.chmod(shared_tmp, 0o1777)
+    squat = shared_tmp / "modelwarden-0"
+    squat.mkdir()
+    os.chmod(squat, 0o700)
+    os.chown(squat, pwd.getpwnam(outsider[0]).pw_uid, -1)
+    monkeypatch.setattr(rawconfig, "default_runtime_dir", lambda: squat)
+    session = Session(f"ipc://{tmp_path}/frontend.sock", None, False)
+    offer = {"shm": {"enabled": True, "threshold": 1, "channel": str(squat / "buffers.sock")}}
+    with pytest.raises(trustdir.UntrustedRuntimeDir, match=f"refusing {squat}: it is owned by {outsider[0]}"):
+        session.accept_offer(offer)
+    assert session.offer is None and session.arena is None
+    offer["shm"]["channel"] = str(tmp_path / "buffers.sock")  # where a configured daemon put it
+    session.accept_offer(offer)
+    assert session.arena is not None
+    session.close()
+
+
+# -- the pid file: only the daemon's user may open it, so only it may lock it ----------------------
+
+
+CLI = ("import site, sys; site.addsitedir(sys.argv[1]); "
+       "from modelwarden.supervisor.cli import main; sys.exit(main(sys.argv[2:]))")
+HOLD_THE_LOCK = ("import fcntl, sys; f = open(sys.argv[1]); print('opened', flush=True); "
+                 "fcntl.flock(f, fcntl.LOCK_SH); print('locked', flush=True); sys.stdin.read()")
+
+
+def test_a_group_member_cannot_lock_the_pid_file_to_block_a_restart(outsider):
+    user, group = outsider
+    with Daemon([], daemon={"shm_group": group}) as daemon:
+        os.chmod(daemon.dir, 0o755)  # mkdtemp made it 0700: let the member reach run/
+        poll_until(lambda: daemon.status(), 30, message="the daemon answering")
+        pid_file = daemon.dir / "run" / "modelwarden.pid"
+        assert stat.S_IMODE(os.stat(pid_file).st_mode) == 0o600
+        holder = subprocess.Popen(["setpriv", "--reuid", user, "--regid", group, "--init-groups",
+                                   _python_for_others(), "-I", "-S", "-c", HOLD_THE_LOCK, str(pid_file)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, cwd="/")
+        try:
+            said = holder.stdout.readline()  # 'opened' (then it waits for the lock), or nothing
+            assert daemon.stop() == 0
+            assert said == "", "a member opened the pid file"
+            assert "PermissionError" in holder.communicate(timeout=30)[1]
+            # The member still tells a stale socket at once: by the lock alone, as it cannot read the pid.
+            stale = run_as(user, group, [_python_for_others(), "-I", "-S", "-c", CLI,
+                                         sysconfig.get_paths()["purelib"], "status", "--control",
+                                         daemon.control, "--timeout", "20"], timeout=60)
+            assert stale.returncode == 3 and "no daemon runs for" in stale.stderr, stale.stderr
+            assert "nobody holds its pid file's lock" in stale.stderr
+            daemon.start()  # the operator's restart, on the same directory
+            assert poll_until(lambda: daemon.status(), 30, message="the restarted daemon")
+            assert daemon.process.poll() is None
+        finally:
+            holder.kill()
+            holder.communicate()
+
+
+def test_an_existing_pid_file_is_set_to_0600_and_a_foreign_one_refused(tmp_path, outsider):
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    os.chmod(run, 0o700)
+    (run / "modelwarden.pid").write_text("12345\n")
+    os.chmod(run / "modelwarden.pid", 0o644)  # as an earlier version made it
+    with runtime.claim_runtime_dir(run, None):
+        assert stat.S_IMODE(os.stat(run / "modelwarden.pid").st_mode) == 0o600
+        assert (run / "modelwarden.pid").read_text() == f"{os.getpid()}\n"
+    os.chown(run / "modelwarden.pid", pwd.getpwnam(outsider[0]).pw_uid, -1)
+    with pytest.raises(DaemonError, match=f"modelwarden.pid: is owned by {outsider[0]}"):
+        runtime.claim_runtime_dir(run, None)
+
+
+# -- workers' sys.path: python_path and the interpreter's own, never the daemon's cwd ---------------
+
+
+PLANTED = """import pathlib
+pathlib.Path({marker!r}).write_text("the planted module ran")
+raise SystemExit("planted")
+"""
+
+
+class DaemonStartedIn(Daemon):
+    """The real daemon, started as ``python -m modelwarden`` from ``cwd``: sys.path[0] is cwd."""
+
+    def __init__(self, cwd: Path, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cwd = cwd
+
+    def start(self) -> "DaemonStartedIn":
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "modelwarden", "serve", "--config", str(self.config_path)],
+            cwd=self.cwd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        return self
+
+
+@pytest.mark.parametrize("found_on", ["python_path", "PYTHONPATH"])
+def test_a_module_planted_in_the_daemons_cwd_never_runs_in_a_worker(tmp_path, found_on):
+    """The real module on ``python_path``, or on the interpreter's own path (PYTHONPATH), and
+    one of the same name in the directory the daemon was started from."""
+    import torch
+
+    from modelwarden.examples import make_mlp
+    from modelwarden.supervisor.versions import VersionBook
+
+    models, planted, marker = tmp_path / "models", tmp_path / "cwd", tmp_path / "planted-ran"
+    models.mkdir()
+    planted.mkdir()
+    (models / "trustmlp.py").write_text("from modelwarden.examples import make_mlp\n")
+    (planted / "trustmlp.py").write_text(PLANTED.format(marker=str(marker)))
+    model = mlp_model("trustmlp", workers=1, source="python:trustmlp:make_mlp")
+    if found_on == "python_path":
+        settings, env = {"python_path": [str(models)]}, {}
+    else:
+        settings, env = {"python_path": []}, {"PYTHONPATH": str(models)}
+    with DaemonStartedIn(planted, [model], daemon=settings, env=env) as daemon:
+        daemon.wait_ready()
+        x = torch.randn(3, 64)
+        with Client(daemon.endpoint) as client:
+            torch.testing.assert_close(client.infer("trustmlp", x), make_mlp(hidden=32).eval()(x))
+        config = load_settings(daemon.config_path).models[0]
+        version = daemon.status()["models"][0]["version"]
+        assert version == VersionBook(daemon.dir, [str(models)]).of(config)  # the real file's
+        assert version != VersionBook(daemon.dir, [str(planted)]).of(config)
+    assert not marker.exists()

@@ -1,7 +1,10 @@
-"""The refusal log's rate limit (an injected clock) and which tcp endpoints count as exposed."""
+"""The refusal log's and the worker's map-failure rate limits (an injected clock), and which tcp
+endpoints count as exposed."""
 
 import logging
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -11,25 +14,57 @@ import zmq
 
 from modelwarden.shared.config import is_exposed_tcp
 from modelwarden.supervisor.auth import ZAP_DOMAIN, RefusalLog, ZapHandler
+from modelwarden.shared.fdchannel import send_message
+from modelwarden.worker.segments import SegmentMaps
 from tests.helpers import ROOT
 
 
-def test_one_report_per_peer_per_interval():
+def test_one_report_per_source_per_interval_with_the_count_held_back():
     log = RefusalLog(interval=60.0)
-    peer, other = ("10.0.0.5", "keyA"), ("10.0.0.5", "keyB")
-    assert log.due(peer, now=100.0)
-    assert not log.due(peer, now=130.0)
-    assert log.due(other, now=130.0)  # the same address with another key is another peer
-    assert not log.due(peer, now=159.9)
-    assert log.due(peer, now=160.0)
-    assert not log.due(peer, now=200.0)
+    assert log.due("10.0.0.5", now=100.0) == 1
+    assert log.due("10.0.0.5", now=130.0) == 0  # another key from the same address: same source
+    assert log.due("10.0.0.6", now=130.0) == 1  # another address is another source
+    assert log.due("10.0.0.5", now=159.9) == 0
+    assert log.due("10.0.0.5", now=160.0) == 3  # this one and the two held back
+    assert log.due("10.0.0.5", now=200.0) == 0
+    assert log.due("10.0.0.5", now=300.0) == 2
 
 
-def test_a_key_scan_does_not_grow_the_log_without_bound():
+def test_an_address_scan_does_not_grow_the_log_without_bound():
     log = RefusalLog(interval=60.0)
     for index in range(20_000):
-        assert log.due(("10.0.0.5", f"key{index}"), now=index * 0.01)
-    assert len(log._last) <= 6001  # only the peers seen within the last interval remain
+        assert log.due(f"10.0.{index // 256}.{index % 256}", now=index * 0.01) == 1
+    assert len(log) <= 6001  # only the sources reported within the last interval remain
+
+
+def test_an_unmappable_buffer_is_logged_once_a_minute_with_a_count(caplog):
+    now = [1000.0]
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    maps = SegmentMaps(ours, clock=lambda: now[0])
+    try:
+        def pass_unmappable(count: int) -> None:
+            pipes = [os.pipe() for _ in range(count)]  # a pipe cannot be mapped: ENODEV
+            send_message(theirs, {"type": "buffers", "tokens": [f"t{now[0]}-{i}" for i in range(count)],
+                                  "sizes": [4096] * count}, [read for read, _ in pipes])
+            for read, write in pipes:
+                os.close(read)
+                os.close(write)
+            maps.drain()
+
+        with caplog.at_level(logging.ERROR, logger="modelwarden.worker.segments"):
+            pass_unmappable(5)
+            now[0] += 30.0
+            pass_unmappable(5)
+            lines = [r.getMessage() for r in caplog.records if "cannot map a buffer" in r.getMessage()]
+            assert len(lines) == 1 and "(1 failure(s) since the last report" in lines[0], lines
+            now[0] += 30.0
+            pass_unmappable(1)
+        lines = [r.getMessage() for r in caplog.records if "cannot map a buffer" in r.getMessage()]
+        assert len(lines) == 2 and "(10 failure(s) since the last report" in lines[1], lines
+        assert len(maps) == 0
+    finally:
+        ours.close()
+        theirs.close()
 
 
 @pytest.mark.parametrize("endpoint, exposed", [

@@ -1,6 +1,8 @@
 """Entry point of a worker process (the target of a multiprocessing *spawn* Process).
 
 Boot order, each step reported to the supervisor before the next:
+  0. ``sys.path`` becomes exactly ``spec.python_path``: the configured ``python_path`` and the
+     interpreter's own paths, never the supervisor's working directory (shared/syspath.py)
   1. die with the parent; ignore SIGINT (the supervisor decides when we stop)
   2. pin to our cores and set OMP/MKL thread variables -- before torch is imported
   3. import torch; set thread counts; pick the device           (failure: exit 3, boot error)
@@ -41,6 +43,9 @@ BASELINE_RUNS = 5
 
 def run(spec: WorkerSpec, buffer_pair=None) -> None:
     """``buffer_pair``: our end of the socket pair the supervisor passes buffer descriptors on."""
+    # Spawn gave us the supervisor's sys.path, whose first entry may be its working directory:
+    # from here on, only what the supervisor chose (shared/syspath.py) is searched.
+    sys.path[:] = spec.python_path
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not die_with_parent(spec.supervisor_pid):
         sys.exit(EXIT_ORPHANED)

@@ -8,30 +8,41 @@ once (the mapping keeps the memory). Buffers are sealed memfds: they cannot shri
 never faults past its end and needs no size check per use. A mapping is dropped when the
 supervisor says the token was revoked (``forget``); the memory goes when the last tensor over
 it is freed. On a CUDA worker each mapping is also page-locked while it is held
-(worker/hostpin.py), so inputs in it reach the device by DMA.
+(worker/hostpin.py), so inputs in it reach the device by DMA. A buffer that cannot be mapped is
+dropped (a request naming it gets BAD_REQUEST) and logged at ERROR at most once a minute, with
+the number of failures since the last line.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
+from typing import Callable
 
 import torch
 
 from modelwarden.shared import fdchannel
 from modelwarden.shared.codec import from_bytes
+from modelwarden.shared.lograte import LineBudget
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, ProtocolError,
                                          TensorDesc)
 from modelwarden.shared.shm import Segment, attach_segment
 
 logger = logging.getLogger(__name__)
+MAP_FAILURE_LOG_INTERVAL = 60.0  # seconds between two ERRORs for buffers that cannot be mapped
 
 
 class SegmentMaps:
-    def __init__(self, pair: socket.socket | None, pinner=None) -> None:
+    def __init__(self, pair: socket.socket | None, pinner=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pair = pair
         self.pinner = pinner  # a HostPinner on a CUDA worker, else None
         self._maps: dict[str, Segment] = {}
+        # A client decides what it passes: one that passes buffers we cannot map gets one line
+        # a minute, not one per buffer.
+        self._map_failures = LineBudget(MAP_FAILURE_LOG_INTERVAL)
+        self._clock = clock
         if pair is not None:
             pair.setblocking(False)
 
@@ -72,10 +83,16 @@ class SegmentMaps:
             try:
                 segment = self._maps[token] = attach_segment(fd, size, token)
             except OSError as exc:
-                logger.error("buffer pair: cannot map a buffer: %s", exc)
+                self._report_map_failure(exc)
                 continue
             if self.pinner is not None:
                 self.pinner.pin(segment)
+
+    def _report_map_failure(self, exc: OSError) -> None:
+        failures = self._map_failures.due("map", self._clock())
+        if failures:
+            logger.error("buffer pair: cannot map a buffer: %s (%d failure(s) since the last "
+                         "report; at most one a minute)", exc, failures)
 
     def region(self, token: str, offset: int, nbytes: int) -> tuple[Segment, object]:
         """The buffer and a uint8 view of [offset, offset+nbytes) (the supervisor checked it)."""
