@@ -135,6 +135,10 @@ class Arbiter:
         problem = self.settings.gateway is not None and gateway.cannot_run(self.settings)
         if problem:
             raise DaemonError(problem)
+        # Spawned children start as `python -c ...`, which puts '' (the working directory) first
+        # on sys.path until multiprocessing replaces it: a module planted there under a name the
+        # bootstrap imports (multiprocessing itself) would run in every worker. -P for them all.
+        os.environ["PYTHONSAFEPATH"] = "1"
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections,
                                            quotas=self.quotas)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)

@@ -603,3 +603,30 @@ def test_a_module_planted_in_the_daemons_cwd_never_runs_in_a_worker(tmp_path, fo
         assert version == VersionBook(daemon.dir, [str(models)]).of(config)  # the real file's
         assert version != VersionBook(daemon.dir, [str(planted)]).of(config)
     assert not marker.exists()
+
+
+class DaemonByScript(DaemonStartedIn):
+    """Started by the console script (``modelwarden serve``, as the unit does): the supervisor's
+    sys.path[0] is the script's directory, but a spawned child starts as ``python -c``."""
+
+    def start(self) -> "DaemonByScript":
+        self._log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            [str(Path(sys.executable).with_name("modelwarden")), "serve", "--config",
+             str(self.config_path)], cwd=self.cwd, env=self.env, stdout=self._log,
+            stderr=subprocess.STDOUT)
+        return self
+
+
+def test_a_stdlib_name_planted_in_the_cwd_never_runs_in_a_spawned_worker(tmp_path):
+    """``multiprocessing`` is what spawn's bootstrap imports before it sets sys.path."""
+    if not Path(sys.executable).with_name("modelwarden").exists():
+        pytest.skip("no modelwarden console script beside this python")
+    planted, marker = tmp_path / "cwd", tmp_path / "planted-ran"
+    (planted / "multiprocessing").mkdir(parents=True)
+    (planted / "multiprocessing" / "__init__.py").write_text(PLANTED.format(marker=str(marker)))
+    with DaemonByScript(planted, [mlp_model(workers=1)]) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint) as client:
+            assert client.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
+    assert not marker.exists()
