@@ -265,7 +265,8 @@ def _watch(args, endpoint: str, header: dict) -> int:
 
 
 def _command_endpoint(args, mutating: bool) -> str:
-    """Mutating commands go to the admin socket, the others to the control socket, found in the
+    """Mutating commands go to the admin socket; the others too when the caller may reach it,
+    else to the control socket; found in the
     file without validating all of it (shared/rawconfig.py: status stays light). Found with no
     configuration at all, the directory and socket must pass shared/trustdir.py's checks: a
     refusal is one line and exit 3, as for a daemon that cannot be reached."""
@@ -277,11 +278,32 @@ def _command_endpoint(args, mutating: bool) -> str:
     if given:
         return given
     try:
+        if not mutating:
+            admin = _reachable_admin(args.config)
+            if admin is not None:
+                return admin
         return command_endpoint(args.config, mutating)
     except ConfigError as exc:
         raise SystemExit(_fail(f"config error: {exc}", EXIT_CONFIG)) from None
     except (PermissionError, NoDaemon) as exc:  # UntrustedRuntimeDir is a PermissionError
         raise SystemExit(_fail(str(exc), EXIT_UNREACHABLE)) from None
+
+
+def _reachable_admin(config) -> str | None:
+    """The admin socket, when the caller may connect to it (root, the daemon's user): read-only
+    commands go there too, since it is never paused -- the control socket is, while a flood
+    holds the daemon's connection mark (supervisor/connections.py)."""
+    from modelwarden.shared.ipcaccess import NoDaemon
+    from modelwarden.shared.rawconfig import command_endpoint
+
+    try:
+        endpoint = command_endpoint(config, mutating=True)
+    except (PermissionError, NoDaemon, OSError):
+        return None
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    if path is None or not os.path.exists(path) or not os.access(path, os.W_OK):
+        return None
+    return endpoint
 
 
 def cmd_infer(args) -> int:

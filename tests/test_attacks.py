@@ -17,6 +17,7 @@ import os
 import resource
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -119,6 +120,12 @@ def test_a_control_sock_flood_is_paused_and_shut_and_never_aborts_the_supervisor
                 assert held_by(daemon, member_uid(member))["connections"] <= share
                 assert_within_descriptors(daemon)
                 assert connected.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
+                # The operator's status goes to the admin socket, which is never paused.
+                cli = subprocess.run([sys.executable, "-m", "modelwarden", "status", "--json",
+                                      "--config", str(daemon.config_path)], capture_output=True,
+                                     text=True, timeout=60, cwd=ROOT)
+                assert cli.returncode == 0, cli.stderr
+                assert json.loads(cli.stdout)["daemon"]["pid"] == daemon.process.pid
             poll_until(lambda: control_request(daemon.control, {"type": "status"}, 2.0), 60,
                        message="control.sock answers again")
         assert_serves(daemon)
