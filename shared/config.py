@@ -564,6 +564,7 @@ class WorkerSpec:
     python_path: list[str] = field(default_factory=list)
     heartbeat_interval: float = 0.5
     shm_threshold: int = 64 * 1024
+    max_mapped_bytes: int | None = None  # client buffers it may map in all (max_buffer_bytes)
     log_level: str = "INFO"
     log_format: str = "text"
     version: str = ""  # the model's version (supervisor/versions.py); in every reply header

@@ -602,6 +602,7 @@ class Arbiter:
                           base_dir=str(self.settings.base_dir), python_path=python_path,
                           heartbeat_interval=daemon.heartbeat_interval,
                           shm_threshold=daemon.shm_threshold, log_level=daemon.log_level,
+                          max_mapped_bytes=self.registry.max_bytes,
                           log_format=daemon.log_format, identity=identity, secret=secret,
                           version=self.versions.of(config))
 

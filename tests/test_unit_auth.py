@@ -96,3 +96,29 @@ def test_a_failed_reload_keeps_the_keys_in_force(tmp_path, caplog):
     finally:
         handler.stop()
         context.term()
+
+
+def test_a_worker_maps_client_buffers_only_within_its_budget():
+    from modelwarden.shared import shm
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    maps = SegmentMaps(ours, budget=3 << 20)
+    segments = [shm.create_segment(1 << 20) for _ in range(4)]
+    try:
+        send_message(theirs, {"type": "buffers", "tokens": ["a", "b", "c", "d"],
+                              "sizes": [1 << 20] * 4}, [segment.fd for segment in segments])
+        maps.drain()
+        assert len(maps) == 3 and maps.mapped == 3 << 20  # the fourth would pass the budget
+        with pytest.raises(Exception, match="not passed to this worker"):
+            maps.get("d")
+        maps.forget(["a"])
+        assert maps.mapped == 2 << 20
+        send_message(theirs, {"type": "buffers", "tokens": ["d"], "sizes": [1 << 20]},
+                     [segments[3].fd])
+        maps.drain()
+        assert maps.get("d").size == 1 << 20 and maps.mapped == 3 << 20
+    finally:
+        for segment in segments:
+            segment.close()
+        ours.close()
+        theirs.close()

@@ -7,7 +7,10 @@ pair's queue: a miss drains the queue and looks again. Each descriptor is mapped
 once (the mapping keeps the memory). Buffers are sealed memfds: they cannot shrink, so a mapping
 never faults past its end and needs no size check per use. A mapping is dropped when the
 supervisor says the token was revoked (``forget``); the memory goes when the last tensor over
-it is freed. On a CUDA worker each mapping is also page-locked while it is held
+it is freed. The mappings held at once are bounded by ``budget`` (the daemon's
+``max_buffer_bytes``): a buffer past it is not mapped, and a request naming it is answered
+BUFFER_NOT_REGISTERED. A worker reads only the region a request names, so a sparse buffer
+commits no more than that. On a CUDA worker each mapping is also page-locked while it is held
 (worker/hostpin.py), so inputs in it reach the device by DMA. A buffer that cannot be mapped is
 dropped (a request naming it gets BAD_REQUEST) and logged at ERROR at most once a minute, with
 the number of failures since the last line.
@@ -15,7 +18,9 @@ the number of failures since the last line.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import socket
 import time
 from typing import Callable
@@ -35,10 +40,16 @@ MAP_FAILURE_LOG_INTERVAL = 60.0  # seconds between two ERRORs for buffers that c
 
 class SegmentMaps:
     def __init__(self, pair: socket.socket | None, pinner=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, budget: int | None = None) -> None:
         self.pair = pair
         self.pinner = pinner  # a HostPinner on a CUDA worker, else None
         self._maps: dict[str, Segment] = {}
+        # Address space for client buffers: the supervisor registers at most max_buffer_bytes in
+        # all, and this worker maps only registered buffers, so a mapping past it means the two
+        # disagree -- refused here rather than letting one client's buffers exhaust the space
+        # every other client's requests need.
+        self.budget = budget
+        self.mapped = 0
         # A client decides what it passes: one that passes buffers we cannot map gets one line
         # a minute, not one per buffer.
         self._map_failures = LineBudget(MAP_FAILURE_LOG_INTERVAL)
@@ -80,11 +91,21 @@ class SegmentMaps:
             fdchannel.close_all(fds)
             return
         for token, size, fd in zip(tokens, sizes, fds):
+            if token in self._maps:  # passed once already: it is mapped
+                os.close(fd)
+                continue
+            if (not isinstance(size, int) or size <= 0
+                    or (self.budget is not None and self.mapped + size > self.budget)):
+                os.close(fd)
+                self._report_map_failure(OSError(errno.ENOMEM, f"{size} more bytes would pass "
+                                                 f"the worker's budget of {self.budget}"))
+                continue
             try:
                 segment = self._maps[token] = attach_segment(fd, size, token)
             except OSError as exc:
                 self._report_map_failure(exc)
                 continue
+            self.mapped += size
             if self.pinner is not None:
                 self.pinner.pin(segment)
 
@@ -108,6 +129,8 @@ class SegmentMaps:
         self.drain()  # a token's descriptor may still be queued: take it, then drop it
         for token in tokens:
             segment = self._maps.pop(token, None) if isinstance(token, str) else None
+            if segment is not None:
+                self.mapped -= segment.size
             if segment is not None and self.pinner is not None:
                 self.pinner.unpin(segment)
 

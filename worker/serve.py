@@ -98,7 +98,8 @@ class WorkerServer:
         self.channel = channel
         self.parent_sentinel = parent_sentinel
         self.probe_args = probe_args
-        self.segments = SegmentMaps(buffer_pair, HostPinner.for_device(device))
+        self.segments = SegmentMaps(buffer_pair, HostPinner.for_device(device),
+                                    budget=spec.max_mapped_bytes)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.served = 0
 
