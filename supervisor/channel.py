@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from modelwarden.shared import fdchannel
+from modelwarden.shared.lograte import LineBudget
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, OVERLOADED, ProtocolError, bad,
                                          error_header, request_id_of)
 from modelwarden.supervisor.buffers import BufferRegistry, Peer
@@ -55,7 +56,7 @@ class ChannelServer:
         self._listening = False
         self.paused = False  # by the guard: the listener is out of the poller
         self._peers: dict[socket.socket, Peer] = {}
-        self._refusals: dict[int, list] = {}  # uid -> [refused since the last line, its time]
+        self._refusals = LineBudget(REFUSALS_LOGGED_EVERY_S)  # lines per uid
 
     def listen(self) -> None:
         check_socket_path(self.path)  # a socket or nothing: never unlink another kind of file
@@ -135,13 +136,10 @@ class ChannelServer:
         return None
 
     def _log_refusal(self, uid: int, why: str) -> None:
-        entry = self._refusals.setdefault(uid, [0, None])
-        entry[0] += 1
-        now = self._clock()
-        if entry[1] is None or now - entry[1] >= REFUSALS_LOGGED_EVERY_S:
-            logger.warning("buffer channel: refused %d connection(s) from uid %d%s: %s", entry[0],
-                           uid, "" if entry[1] is None else " in the last minute", why)
-            entry[0], entry[1] = 0, now
+        count = self._refusals.due(str(uid), self._clock())
+        if count:
+            logger.warning("buffer channel: refused %d connection(s) from uid %d%s: %s", count,
+                           uid, " since the last report" if count > 1 else "", why)
 
     def _serve(self, conn: socket.socket) -> None:
         peer = self._peers.get(conn)

@@ -80,6 +80,7 @@ from typing import Protocol
 import zmq
 
 from modelwarden.shared.fdchannel import MAX_FDS_PER_MESSAGE
+from modelwarden.shared.lograte import LineBudget
 from modelwarden.supervisor.identity import of_descriptor
 from modelwarden.supervisor.quotas import Quotas
 
@@ -232,7 +233,7 @@ class ConnectionGuard:
                  clock=time.monotonic, quotas: Quotas | None = None) -> None:
         self.fd_limit = fd_limit
         self.clock = clock
-        self.failed_handshakes: dict[str, list] = {}  # endpoint -> [count since the last line, its time]
+        self.failed_handshakes = LineBudget(HANDSHAKE_LOG_EVERY_S)  # lines per listening endpoint
         self.max_connections = max_connections
         self.count_fds = count_fds
         self.quotas = quotas
@@ -241,7 +242,7 @@ class ConnectionGuard:
         self.listeners: list[Pausable] = []
         self.monitors: list[zmq.Socket] = []
         self._peers: dict[tuple[int, int], str] = {}  # (monitor, fd) -> the connection's identity
-        self.shut: dict[str, list] = {}  # identity -> [connections shut since the last line, its time]
+        self.shut = LineBudget(HANDSHAKE_LOG_EVERY_S)  # lines about shut connections, per identity
         self.open = count_fds()  # descriptors open now: measured each tick, kept current between
         self.reserve = RESERVE_BASE
         self.room = MIN_HIGH_WATER
@@ -352,26 +353,20 @@ class ConnectionGuard:
 
     def _shut_over_share(self, identity: str) -> None:
         """Say so at most once a minute per identity, with a count."""
-        entry = self.shut.setdefault(identity, [0, None])
-        entry[0] += 1
-        now = self.clock()
-        if entry[1] is None or now - entry[1] >= HANDSHAKE_LOG_EVERY_S:
+        count = self.shut.due(identity, self.clock())
+        if count:
             logger.warning("shut %d connection(s) of %s over its share "
-                           "(max_connections_per_identity %d)%s", entry[0], identity,
+                           "(max_connections_per_identity %d)%s", count, identity,
                            self.quotas.shares.connections,
-                           "" if entry[1] is None else " in the last minute")
-            entry[0], entry[1] = 0, now
+                           " since the last report" if count > 1 else "")
 
     def _handshake_failed(self, endpoint: str) -> None:
         """Count a refused handshake; say so at most once a minute per endpoint."""
-        entry = self.failed_handshakes.setdefault(endpoint, [0, None])
-        entry[0] += 1
-        now = self.clock()
-        if entry[1] is None or now - entry[1] >= HANDSHAKE_LOG_EVERY_S:
+        count = self.failed_handshakes.due(endpoint, self.clock())
+        if count:
             logger.warning("refused %d handshake(s) on %s%s: a peer without CURVE, with the wrong "
-                           "server key, or not speaking ZMTP", entry[0], endpoint,
-                           "" if entry[1] is None else " in the last minute")
-            entry[0], entry[1] = 0, now
+                           "server key, or not speaking ZMTP", count, endpoint,
+                           " since the last report" if count > 1 else "")
 
     def tick(self) -> None:
         """Measure what is open (descriptors come and go without events: a worker gone, a

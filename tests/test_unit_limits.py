@@ -106,7 +106,7 @@ def test_failed_handshakes_are_logged_once_a_minute_per_endpoint(caplog):
     assert lines[0].startswith("refused 1 handshake(s) on tcp://0.0.0.0:5555:")
     assert lines[1].startswith("refused 1 handshake(s) on tcp://127.0.0.1:6000:")
     # the four suppressed within the minute are counted in the next line
-    assert lines[2].startswith("refused 5 handshake(s) on tcp://0.0.0.0:5555 in the last minute")
+    assert lines[2].startswith("refused 5 handshake(s) on tcp://0.0.0.0:5555 since the last report")
 
 
 def test_a_paused_ipc_listener_is_neither_at_its_name_nor_connectable_aside(tmp_path):
