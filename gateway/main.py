@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 3.0  # in-flight calls finish within this at SIGTERM
 BUFFER_TRIM_S = 2.0  # how often idle shared-memory buffers are given back (service.BUFFERS_KEPT)
+USAGE_REPORT_S = 1.0  # how often what each caller holds is written for the supervisor to show
 
 
 def run(spec, pipe) -> None:
@@ -182,6 +183,7 @@ async def _serve(spec, pipe) -> None:
     quotas = _quotas(spec)
     http_server, http_task = None, None
     trimmer = asyncio.create_task(_trim_buffers(service))
+    reporter = asyncio.create_task(_report_usage(quotas, spec.usage_file)) if spec.usage_file else None
     try:
         if sock is not None:
             config = uvicorn.Config(
@@ -207,6 +209,8 @@ async def _serve(spec, pipe) -> None:
         logger.info("gateway stopping")
     finally:
         trimmer.cancel()
+        if reporter is not None:
+            reporter.cancel()
         if http_server is not None:
             http_server.should_exit = True
             await asyncio.gather(http_task, return_exceptions=True)
@@ -242,6 +246,32 @@ async def _trim_buffers(service) -> None:
             logger.debug("gateway: %d bytes of idle shared-memory buffers given back", given_back)
         if malloc_trim is not None:
             malloc_trim(0)
+
+
+async def _report_usage(quotas, path: str) -> None:
+    """Every USAGE_REPORT_S, what each caller holds (gateway/quota.py), written where the
+    supervisor reads it for ``modelwarden status`` and metrics: a file in the daemon's private
+    directory (0600, replaced whole by a rename, so a reader never sees half of one)."""
+    last = None
+    while True:
+        usage = quotas.usage()
+        if usage != last:
+            try:
+                _write_private(path, json.dumps(usage).encode())
+                last = usage
+            except OSError as exc:  # the next turn tries again
+                logger.warning("gateway: cannot write %s: %s", path, exc)
+        await asyncio.sleep(USAGE_REPORT_S)
+
+
+def _write_private(path: str, data: bytes) -> None:
+    partial = f"{path}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
 
 
 def _bound_tls_handshakes(seconds: float) -> None:

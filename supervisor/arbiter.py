@@ -569,9 +569,17 @@ class Arbiter:
         self.router.replies.sweep()
         self._report_health()
         if self.telemetry is not None:
-            self.telemetry.publish(self.pools, self.router.queued, self.quotas.view())
+            self.telemetry.publish(self.pools, self.router.queued, self._identities())
         if self.stopping:
             self._shutdown_step(now)
+
+    def _identities(self) -> list[dict]:
+        """What each identity holds: the daemon's (supervisor/quotas.py), then the gateway's
+        callers (gateway/quota.py), named ``gateway/IDENTITY``."""
+        rows = self.quotas.view()
+        if self.gateway is not None:
+            rows += [{**row, "identity": f"gateway/{row['identity']}"} for row in self.gateway.usage()]
+        return rows
 
     def forget_buffers(self, tokens: list[str]) -> None:
         """Revoked tokens: every worker holding one of them unmaps it."""

@@ -298,9 +298,12 @@ def _identity_line(row: dict) -> str:
 def _gateway_text(gateway: dict) -> str:
     listeners = ", ".join(f"{kind} {gateway[kind]}" for kind in ("http", "grpc") if gateway.get(kind))
     exit_text = f", last exit {gateway['last_exit']}" if gateway.get("last_exit") else ""
+    callers = "".join(f"\n  caller {row['identity']}: {row['requests']} calls "
+                      f"({_bytes(row['request_bytes'])}) in flight"
+                      for row in gateway.get("identities", [])[:IDENTITY_LINES])
     return (f"gateway {gateway['state']}  pid {gateway['pid'] or '-'}  {listeners}  access "
             f"{', '.join(gateway['access'])}  up {_duration(gateway['uptime_s'])}  restarts "
-            f"{gateway['restarts']}{exit_text}")
+            f"{gateway['restarts']}{exit_text}{callers}")
 
 
 def _batching_text(batching: dict | None) -> str:

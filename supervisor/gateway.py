@@ -79,6 +79,10 @@ def missing_modules() -> list[str]:
     return missing
 
 
+USAGE_FILE = "gateway-usage.json"  # in the private directory: the daemon's user alone reads it
+USAGE_READ_S = 1.0  # the keeper reads the file at most this often
+
+
 @dataclass
 class GatewaySpec:
     """Everything the gateway process needs; pickled through multiprocessing's spawn pipe."""
@@ -101,6 +105,7 @@ class GatewaySpec:
     max_requests_in_flight: int = 1024  # all callers together
     max_bytes_in_flight: int = 1024**3  # request bytes, all callers together
     identity_share: float = 0.25  # of both, for one caller (gateway/quota.py)
+    usage_file: str | None = None  # where it writes what each caller holds (RUNTIME/private/)
 
 
 def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
@@ -122,7 +127,8 @@ def gateway_spec(settings: Settings, supervisor_pid: int) -> GatewaySpec:
                        tls_client_ca=(str(settings.resolve(config.tls_client_ca))
                                       if config.tls_client_ca else None),
                        log_level=settings.daemon.log_level,
-                       log_format=settings.daemon.log_format)
+                       log_format=settings.daemon.log_format,
+                       usage_file=str(settings.private_dir / USAGE_FILE))
 
 
 class GatewayKeeper:
@@ -134,6 +140,8 @@ class GatewayKeeper:
         self.clock = clock
         self.state = GatewayState.STOPPED
         self.process: multiprocessing.process.BaseProcess | None = None
+        self._usage: list[dict] = []
+        self._usage_read_at = float("-inf")
         self.pid: int | None = None  # the current or last process's
         self._pipe: multiprocessing.connection.Connection | None = None
         self.addresses: dict[str, str | None] = {}
@@ -286,7 +294,16 @@ class GatewayKeeper:
                 "grpc": self.addresses.get("grpc") or self.spec.grpc,
                 "uptime_s": round(now - self.started_at, 3) if self.process and self.started_at else None,
                 "restarts": self.restarts, "last_exit": self.last_exit,
-                "access": self.access()}
+                "access": self.access(), "identities": self.usage()}
+
+    def usage(self) -> list[dict]:
+        """What each caller holds at the gateway (its calls and request bytes in flight), as
+        the gateway last wrote it (gateway/main.py); read at most once a USAGE_READ_S."""
+        now = self.clock()
+        if now - self._usage_read_at >= USAGE_READ_S:
+            self._usage_read_at = now
+            self._usage = _read_usage(self.spec.usage_file) if self.state == GatewayState.READY else []
+        return self._usage
 
     def access(self) -> list[str]:
         """What stands between a caller and the models, beyond reaching the address."""
@@ -294,6 +311,21 @@ class GatewayKeeper:
         return ([name for name, on in (("tls", spec.tls_cert), ("client-certificates", spec.tls_client_ca),
                                        ("tokens", spec.token_file)) if on]
                 or ["none"])
+
+
+def _read_usage(path: str | None) -> list[dict]:
+    if path is None:
+        return []
+    try:
+        with open(path, "rb") as handle:
+            usage = json.loads(handle.read(1 << 20))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(usage, dict):
+        return []
+    return [{"identity": str(identity), "requests": int(use.get("requests", 0)),
+             "request_bytes": int(use.get("bytes", 0))}
+            for identity, use in usage.items() if isinstance(use, dict)]
 
 
 def cannot_run(settings: Settings) -> str | None:

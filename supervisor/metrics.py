@@ -219,7 +219,7 @@ class Telemetry:
             promotions=tuple(self._totals.promotions.items()),
             requests=requests, histograms=histograms,
             identities=tuple((row["identity"], resource, row[resource]) for row in identities or ()
-                             for resource in RESOURCES if row[resource]))
+                             for resource in RESOURCES if row.get(resource)))
 
     def live(self) -> bool:
         return self.clock() - self.snapshot.at < STALE_AFTER
@@ -281,8 +281,9 @@ class _SnapshotCollector:
             requests.add_metric(list(labels), n)
         yield requests
         yield from _histograms(snap.histograms)
-        yield _gauge("modelwarden_identity_held", "What each identity (uid:N, key:NAME, addr:IP) "
-                     "holds now, against its share: connections, buffers, buffer_bytes, requests, "
+        yield _gauge("modelwarden_identity_held", "What each identity (uid:N, key:NAME, addr:IP; "
+                     "gateway/token:ID, gateway/cert:..., gateway/peer:... at the gateway) holds "
+                     "now, against its share: connections, buffers, buffer_bytes, requests, "
                      "request_bytes (the largest holders)", ["identity", "resource"],
                      (((who, resource), n) for who, resource, n in snap.identities))
         yield GaugeMetricFamily("modelwarden_ready", "1 when every model has its minimum of READY "

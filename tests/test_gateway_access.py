@@ -12,6 +12,7 @@ import grp
 import hashlib
 import http.client
 import json
+import threading
 import os
 import shutil
 import signal
@@ -827,6 +828,25 @@ def test_a_token_that_floods_past_its_share_is_refused_while_another_is_served(t
         assert flooder not in refused[0]["error"]
         assert [status for status, _ in served] == [200, 200], served
         assert all(reply["outputs"][0]["data"] == [3.0] for _, reply in served + [(200, r) for r in ok])
+        # What each caller holds shows in status, by the token's id, never the token.
+        stop = threading.Event()
+
+        def keep_calling():
+            while not stop.is_set():
+                call(flooder)
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            callers = [pool.submit(keep_calling) for _ in range(2)]
+            try:
+                seen = poll_until(lambda: [caller for caller in gateway_row(instance)["identities"]
+                                           if caller["identity"] == flooder_id and caller["requests"]],
+                                  20, message="the flooding token's calls shown in status")
+            finally:
+                stop.set()
+                for caller in callers:
+                    caller.result()
+        assert seen[0]["requests"] <= 2
+        assert flooder not in json.dumps(instance.status())
         # gRPC: the same share, RESOURCE_EXHAUSTED
         client = grpcclient.InferenceServerClient(row["grpc"])
         value = np.ones((1,), dtype=np.float32)
