@@ -61,8 +61,13 @@ def test_control_commands_find_the_daemon_through_the_config_without_validating_
         poll_until(lambda: daemon.status(), 30, message="the daemon answering")
         found = imports_after(["status", "--config", str(daemon.config_path)])
         assert found == {"code": 0, "torch": False, "numpy": False, "pydantic": False}, found
+        # status asks the admin socket when it may (root here), else the control socket.
         moved = cli("status", "--config", str(daemon.config_path),
                     env={"MODELWARDEN_DAEMON__CONTROL": "ipc:///nonexistent/control.sock"})
+        assert moved.returncode == 0, moved.stderr
+        moved = cli("status", "--config", str(daemon.config_path),
+                    env={"MODELWARDEN_DAEMON__CONTROL": "ipc:///nonexistent/control.sock",
+                         "MODELWARDEN_DAEMON__ADMIN": "ipc:///nonexistent/admin.sock"})
         assert moved.returncode == 3 and "/nonexistent/control.sock" in moved.stderr, moved.stderr
         assert cli("stop", "--config", str(daemon.config_path)).returncode == 0
         poll_until(lambda: daemon.process.poll() == 0, 30, message="stopped through the admin socket")
