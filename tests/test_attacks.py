@@ -181,6 +181,7 @@ def test_huge_and_sparse_memfds_cost_the_daemon_no_more_than_a_share(member):
         channel = str(daemon.dir / "run" / "buffers.sock")
         share = daemon.status()["daemon"]["limits"]["per_identity"]["buffer_bytes"]
         assert share == 512 * MiB  # a quarter of max_buffer_bytes
+        supervisor_before = rss_bytes(daemon.process.pid)
         with attack(member, "register", channel, "1", "1", str(1 << 40), "sparse") as found:
             assert found["tokens"] == 0 and found["codes"] == {"BAD_REQUEST": 1}, found
             assert "max_buffer_bytes_per_identity" in found["messages"][0]
@@ -189,6 +190,8 @@ def test_huge_and_sparse_memfds_cost_the_daemon_no_more_than_a_share(member):
             assert found["tokens"] == 2 and found["codes"] == {"OVERLOADED": 238}, found
             assert held_by(daemon, member_uid(member))["buffer_bytes"] == 512 * MiB
             assert_serves(daemon, shm=True)  # another user's shared memory still works
+            # The supervisor never maps a buffer: 240 sparse 256 MiB memfds cost it nothing.
+            assert rss_bytes(daemon.process.pid) - supervisor_before < 32 * MiB
 
 
 def test_a_shared_memory_tensor_past_its_byte_limit_is_refused_before_a_worker_maps_it():
