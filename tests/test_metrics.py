@@ -95,8 +95,10 @@ def test_metrics_follow_requests_errors_and_a_killed_worker():
                 client.infer("no-such-model", {"x": x})
         # Counters reach the scrape at the loop's next tick (0.1 s).
         samples = poll_until(lambda: (lambda found: value(found, "modelwarden_requests_total", model="echo",
-                                                          code="ok") == 3 and found)(scrape(base)),
-                             5, message="three ok answers counted")
+                                                          code="ok") == 3
+                                      and value(found, "modelwarden_requests_total", model="-",
+                                                code="UNKNOWN_MODEL") == 1 and found)(scrape(base)),
+                             5, message="every answer counted")
         assert value(samples, "modelwarden_requests_total", model="echo", code="ok") == 3
         version = next(model["version"] for model in daemon.status()["models"])
         assert value(samples, "modelwarden_requests_total", model="echo", version=version,

@@ -198,7 +198,7 @@ def test_start_returns_only_once_every_worker_is_ready(container):
     assert container.out("stat -c '%U %a' /run/modelwarden") == "modelwarden 750"
     # The unit bounds what the service commits and runs (docs/OPERATIONS.md, "Limits under abuse").
     limits = container.show("MemoryMax", "TasksMax")
-    total = int(container.out("awk '/MemTotal/ {print $2 * 1024}' /proc/meminfo"))
+    total = int(container.out("awk '/MemTotal/ {print $2}' /proc/meminfo")) * 1024
     assert 0 < int(limits["MemoryMax"]) <= total * 0.81 and limits["TasksMax"] == "4096", limits
 
 
