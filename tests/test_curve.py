@@ -413,3 +413,26 @@ def test_unreadable_curve_keys_are_config_errors_naming_the_file(tmp_path, keys)
     result = serve_check(tmp_path, {**tcp, "curve": {"server_secret_key": str(keys.server_secret),
                                                      "client_keys": str(keys.allowed)}})
     assert result.returncode == 0, result.stderr
+
+
+def test_a_curve_client_is_known_by_its_key_and_held_to_its_share(keys):
+    """The identity of a CURVE client is its key's file name, which the ZAP handler gives libzmq
+    as the User-Id (supervisor/identity.py): its requests count against that share."""
+    from modelwarden.shared.errors import Overloaded
+
+    port = free_port()
+    tcp = f"tcp://127.0.0.1:{port}"
+    curve = {"server_secret_key": str(keys.server_secret), "client_keys": str(keys.allowed)}
+    slow = {"name": "slow", "source": "python:tests.faulty:make_echo", "workers": 1, "warmup": 0,
+            "kwargs": {"delay": 1.0}}
+    with Daemon([slow], daemon={"curve": curve, "max_requests_per_identity": 1},
+                extra_frontends=[tcp]) as daemon:
+        daemon.wait_ready()
+        with alice(daemon, keys, tcp, timeout=20) as client:
+            first = client.submit("slow", torch.ones(2))
+            poll_until(lambda: any(row["identity"] == "key:alice" and row["requests"] == 1
+                                   for row in daemon.status()["daemon"]["identities"]), 10,
+                       message="alice's request counted under her key")
+            with pytest.raises(Overloaded, match=r"key:alice holds 1 requests in flight"):
+                client.infer("slow", torch.ones(2))
+            assert torch.equal(first.result(), torch.ones(2))
