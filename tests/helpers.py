@@ -327,6 +327,18 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def peak_rss_reset(pid: int) -> None:
+    """Start a new VmHWM (peak resident memory) for ``pid`` from its resident memory now."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
 def header_frame(header: dict) -> bytes:
     return protocol.pack(header)
 

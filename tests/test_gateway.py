@@ -31,7 +31,7 @@ from examples.models import make_mlp  # noqa: E402
 from modelwarden import Client  # noqa: E402
 from tests.faulty import pair_reference  # noqa: E402
 from tests.helpers import (Daemon, alive, join_within, memfd_holders, mlp_model,  # noqa: E402
-                           perf_analyzer, poll_until, rss_bytes)
+                           peak_rss, peak_rss_reset, perf_analyzer, poll_until, rss_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP = make_mlp(hidden=32)  # what the daemon's mlp workers hold (fixed seed)
@@ -677,18 +677,6 @@ def test_a_message_over_max_message_bytes_is_refused_on_both_transports():
 
 
 # -- what one call may cost the gateway ------------------------------------------------------------
-
-
-def peak_rss_reset(pid: int) -> None:
-    """Start a new VmHWM (peak resident memory) for ``pid`` from its resident memory now."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 JSON_BODY_BYTES = 48 * 1024 * 1024

@@ -33,7 +33,8 @@ from tests.test_gateway import (MLP, gateway_daemon, gateway_row, grpcclient, ht
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from modelwarden.gateway import access  # noqa: E402
-from tests.helpers import alive, mlp_model, poll_until, rss_bytes, temporary_user  # noqa: E402
+from tests.helpers import (alive, mlp_model, peak_rss, peak_rss_reset, poll_until,  # noqa: E402
+                           rss_bytes, temporary_user)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = [mlp_model("mlp", workers=1, outputs=[{"name": "logits", "dtype": "float32", "shape": [-1, 10]}])]
@@ -144,18 +145,6 @@ def test_without_a_token_only_the_health_checks_answer(daemon, token_file):
     assert mlp_requests(daemon) == before  # refused before anything reached the daemon
     assert daemon.status()["gateway"]["restarts"] == 0
     assert daemon.status()["gateway"]["access"] == ["tokens"]
-
-
-def peak_rss_reset(pid: int) -> None:
-    """Start a new VmHWM (peak resident memory) for ``pid`` from its resident memory now."""
-    Path(f"/proc/{pid}/clear_refs").write_text("5")
-
-
-def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
 
 
 def large_infer_message(nbytes: int) -> bytes:
