@@ -32,6 +32,9 @@ from tests.helpers import (ROOT, Daemon, fd_count, mlp_model, poll_until, readli
 NOFILE = 1024
 ATTACKS = (ROOT / "tests" / "attacks.py").read_text()
 MiB = 1 << 20
+# Connections the I/O thread accepts before the loop's pause lands, and those already in the
+# kernel's backlog: the reserve's BACKLOG + BURST per listener (supervisor/connections.py).
+BURST_SLACK = 128
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +105,16 @@ def assert_within_descriptors(daemon: Daemon) -> None:
     assert fd_count(daemon.process.pid) < NOFILE - limits["fd_reserve"] // 2, limits
 
 
+# "share": the member's connections past its share are shut; "pause": with a share as large as
+# the whole account (as many identities together would have), pausing every listener is what
+# keeps the table from filling.
+FLOOD_GUARDS = {"share": {}, "pause": {"max_connections_per_identity": 100_000}}
+
+
 @pytest.mark.slow
-def test_a_control_sock_flood_is_paused_and_shut_and_never_aborts_the_supervisor(member):
-    with shared_daemon(member) as daemon:
+@pytest.mark.parametrize("guard", FLOOD_GUARDS)
+def test_a_control_sock_flood_is_paused_and_shut_and_never_aborts_the_supervisor(member, guard):
+    with shared_daemon(member, **FLOOD_GUARDS[guard]) as daemon:
         daemon.wait_ready()
         open_to_group(daemon)
         control = str(daemon.dir / "run" / "control.sock")
@@ -112,12 +122,13 @@ def test_a_control_sock_flood_is_paused_and_shut_and_never_aborts_the_supervisor
             connected.infer("mlp", np.ones((1, 64), np.float32))
             with attack(member, "connect", control, "3000") as found:
                 assert daemon.process.poll() is None, daemon.log()[-3000:]
-                share = daemon.status()["daemon"]["limits"]["per_identity"]["connections"]
+                limits = daemon.status()["daemon"]["limits"]
+                share = min(limits["per_identity"]["connections"], limits["max_connections"])
                 # Every connection past the member's share was shut as soon as it was seen, or
                 # never made (the listener paused: its file renamed aside).
-                assert found["connected"] - found["closed_by_daemon"] <= share, found
+                assert found["connected"] - found["closed_by_daemon"] <= share + BURST_SLACK, found
                 assert found["closed_by_daemon"] > 0 or found["refused"], found
-                assert held_by(daemon, member_uid(member))["connections"] <= share
+                assert held_by(daemon, member_uid(member))["connections"] <= share + BURST_SLACK
                 assert_within_descriptors(daemon)
                 assert connected.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
                 # The operator's status goes to the admin socket, which is never paused.
@@ -130,8 +141,12 @@ def test_a_control_sock_flood_is_paused_and_shut_and_never_aborts_the_supervisor
                        message="control.sock answers again")
         assert_serves(daemon)
         log = daemon.log()
-        assert "over its share" in log and "Too many open files" not in log
-        assert log.count("over its share") < 5  # once a minute per identity, with a count
+        assert "Too many open files" not in log
+        if guard == "share":
+            assert "over its share" in log
+            assert log.count("over its share") < 5  # once a minute per identity, with a count
+        else:
+            assert "new connections paused on" in log and "control.sock" in log
 
 
 @pytest.mark.slow
