@@ -30,7 +30,6 @@ the limit, and the caller gives back exactly what it took.
 
 from __future__ import annotations
 
-import collections
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -88,60 +87,66 @@ def shares_from(settings: "Settings", connections: int, buffers: int) -> Shares:
 
 
 class Quotas:
-    """What each identity holds now, against its share."""
+    """What each identity holds now, against its share. On every request's path (a take and a
+    give-back each for requests and bytes): plain dicts, one lookup per step."""
 
     def __init__(self, shares: Shares, house: str | None = None) -> None:
-        self.shares = shares
         self.house = house
-        self.held: dict[str, collections.Counter] = {}
+        self.held: dict[str, dict[str, int]] = {}  # identity -> resource -> amount (no zeros kept)
+        self.shares = shares
+
+    @property
+    def shares(self) -> Shares:
+        return self._shares
+
+    @shares.setter
+    def shares(self, shares: Shares) -> None:
+        self._shares = shares
+        self._limits = {resource: shares.of(resource) for resource in RESOURCES}
 
     def take(self, identity: str, resource: str, amount: int = 1) -> None:
         """Count ``amount`` of ``resource`` for ``identity``, or raise OVERLOADED naming the limit."""
         held = self.held.get(identity)
+        now = (held.get(resource, 0) if held is not None else 0) + amount
+        if now > self._limits[resource] and identity != self.house:
+            limit = self._limits[resource]
+            raise ProtocolError(OVERLOADED, f"{identity} holds {now - amount} {_unit(resource)}; "
+                                f"{amount} more would pass {LIMIT_KEYS[resource]} ({limit}); "
+                                "retry later")
         if held is None:
-            held = self.held[identity] = collections.Counter()
-        if identity != self.house:
-            limit = self.shares.of(resource)
-            if held[resource] + amount > limit:
-                if not +held:
-                    del self.held[identity]
-                raise ProtocolError(OVERLOADED, f"{identity} holds {held[resource]} "
-                                    f"{_unit(resource)}; {amount} more would pass "
-                                    f"{LIMIT_KEYS[resource]} ({limit}); retry later")
-        held[resource] += amount
+            held = self.held[identity] = {}
+        held[resource] = now
 
     def count(self, identity: str, resource: str, amount: int = 1) -> None:
         """Count what is held already, within its share or not (a connection libzmq accepted
         before the loop could say no: it is counted until it is gone)."""
-        held = self.held.get(identity)
-        if held is None:
-            held = self.held[identity] = collections.Counter()
-        held[resource] += amount
+        held = self.held.setdefault(identity, {})
+        held[resource] = held.get(resource, 0) + amount
 
     def allows(self, identity: str, resource: str, amount: int = 1) -> bool:
         """Would ``take`` succeed now? (For a connection already made: refused, it is shut.)"""
-        if identity == self.house:
-            return True
-        held = self.held.get(identity)
-        return (held[resource] if held else 0) + amount <= self.shares.of(resource)
+        return (identity == self.house
+                or self.holding(identity, resource) + amount <= self._limits[resource])
 
     def give_back(self, identity: str, resource: str, amount: int = 1) -> None:
         held = self.held.get(identity)
         if held is None:
             return
-        held[resource] -= amount
-        if held[resource] <= 0:
-            del held[resource]
-            if not held:
-                del self.held[identity]
+        left = held.get(resource, 0) - amount
+        if left > 0:
+            held[resource] = left
+            return
+        held.pop(resource, None)
+        if not held:
+            del self.held[identity]
 
     def holding(self, identity: str, resource: str) -> int:
         held = self.held.get(identity)
-        return held[resource] if held else 0
+        return held.get(resource, 0) if held is not None else 0
 
     def view(self) -> list[dict]:
         """The identities holding anything, the largest holders first (status, metrics)."""
-        rows = [{"identity": identity, **{resource: held[resource] for resource in RESOURCES}}
+        rows = [{"identity": identity, **{resource: held.get(resource, 0) for resource in RESOURCES}}
                 for identity, held in self.held.items()]
         rows.sort(key=lambda row: tuple(-row[resource] for resource in RESOURCES))
         return rows[:SHOWN_IDENTITIES]
