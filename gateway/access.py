@@ -24,8 +24,8 @@ was, nor which token it was near.
 ``check_tls`` holds the TLS key to the same rules and checks that it matches its certificate;
 ``TlsFiles`` keeps a listener's certificate, key and client CA current the same way.
 
-Only the standard library here: the supervisor checks the files at start (``read_tokens``,
-``check_tls``) without importing the gateway's libraries.
+Only the standard library here (and shared/lograte.py, which is too): the supervisor checks
+the files at start (``read_tokens``, ``check_tls``) without importing the gateway's libraries.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ import stat
 import time
 from pathlib import Path
 from typing import Callable
+
+from modelwarden.shared.lograte import LineBudget
 
 logger = logging.getLogger(__name__)
 
@@ -215,35 +217,18 @@ def identity(token_name: str | None, client_subject: str | None, peer: str) -> s
 class RefusalLog:
     """One WARNING a minute at most per source (a peer's address, a uid), however many calls or
     keys it tries: a flood from one place costs the journal one line a minute, and the line
-    says where it came from. At most MAX_SOURCES sources are told apart; past that, the
-    rest share one line."""
-
-    MAX_SOURCES = 1024
+    says where it came from and how many it was (shared/lograte.py keeps the count)."""
 
     def __init__(self, what: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.what = what  # "call(s) refused without a valid token"
         self.clock = clock
-        self._sources: dict[str, list] = {}  # source -> [refused since its last line, logged at]
+        self._lines = LineBudget(REFUSALS_LOGGED_EVERY_S)
 
     def refused(self, source: str, detail: str = "") -> None:
-        now = self.clock()
-        entry = self._sources.get(source)
-        if entry is None:
-            source, entry = self._entry(source, now)
-        entry[0] += 1
-        if now - entry[1] >= REFUSALS_LOGGED_EVERY_S:
-            logger.warning("gateway: %d %s from %s in the last minute%s", entry[0], self.what,
+        count = self._lines.due(source, self.clock())
+        if count:
+            logger.warning("gateway: %d %s from %s in the last minute%s", count, self.what,
                            source, detail)
-            entry[0], entry[1] = 0, now
-
-    def _entry(self, source: str, now: float) -> tuple[str, list]:
-        if len(self._sources) >= self.MAX_SOURCES:  # forget the quiet ones first
-            self._sources = {key: value for key, value in self._sources.items()
-                             if now - value[1] < REFUSALS_LOGGED_EVERY_S}
-        if len(self._sources) >= self.MAX_SOURCES:
-            source = "other sources"
-        entry = self._sources.setdefault(source, [0, now - REFUSALS_LOGGED_EVERY_S])
-        return source, entry
 
 
 class Gatekeeper:
