@@ -24,7 +24,8 @@ So the descriptor table must never fill. The contract:
    and the metrics port, which the loop accepts on itself and ``charge``s), the descriptors
    received over ``buffers.sock`` (charged the moment ``recvmsg`` installed them, refunded when
    they are closed or revoked) and nothing else: the supervisor never maps a buffer. The count
-   of open descriptors is measured at each tick and kept current between ticks by those events.
+   of open descriptors is measured at ticks (each tick while few are open or the account is near
+   the mark, else once a second) and kept current between them by those events.
 4. At the high-water mark -- ``max_connections`` client connections, or fewer than ``reserve``
    descriptors left -- *every* outsider-facing listener is paused: the frontends,
    ``control.sock``, ``buffers.sock`` and the metrics port. The kernel stops handing them
@@ -91,6 +92,8 @@ BURST = 64  # connections the I/O thread may accept in one loop pass before the 
 RESERVE_BASE = 128  # the daemon's own descriptors beyond its client connections
 FDS_PER_WORKER = 4  # its sentinel, its backend connection, a respawn's pipes
 MIN_HIGH_WATER = 16
+CHEAP_TO_LIST = 4096  # descriptors below which /proc/self/fd is listed at every tick
+MEASURE_EVERY_S = 1.0  # above that, at least this often
 EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_ACCEPT_FAILED
           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
 # A peer without CURVE, or with the wrong server key, fails inside libzmq's handshake before ZAP
@@ -243,7 +246,8 @@ class ConnectionGuard:
         self.monitors: list[zmq.Socket] = []
         self._peers: dict[tuple[int, int], str] = {}  # (monitor, fd) -> the connection's identity
         self.shut = LineBudget(HANDSHAKE_LOG_EVERY_S)  # lines about shut connections, per identity
-        self.open = count_fds()  # descriptors open now: measured each tick, kept current between
+        self.open = count_fds()  # descriptors open now: measured at ticks, kept current between
+        self._measured_at = clock()
         self.reserve = RESERVE_BASE
         self.room = MIN_HIGH_WATER
         self.high_water = MIN_HIGH_WATER
@@ -370,8 +374,14 @@ class ConnectionGuard:
 
     def tick(self) -> None:
         """Measure what is open (descriptors come and go without events: a worker gone, a
-        respawn's pipes), then decide."""
-        self.open = self.count_fds()
+        respawn's pipes), then decide. Listing /proc/self/fd costs about a millisecond per
+        thousand descriptors: with many open, it is listed once a MEASURE_EVERY_S unless the
+        account is near the mark, and the events keep the count current in between."""
+        now = self.clock()
+        if (self.open < CHEAP_TO_LIST or self.paused or self._free() < 2 * self.reserve
+                or now - self._measured_at >= MEASURE_EVERY_S):
+            self.open = self.count_fds()
+            self._measured_at = now
         self._decide()
 
     def can_accept(self) -> bool:
