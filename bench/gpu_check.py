@@ -98,7 +98,7 @@ def free_port() -> int:
 
 
 def model_table(name: str, source: str, devices: list[str], width: int = -1, **extra) -> str:
-    from tests.helpers import toml_value  # the tests' TOML writer: one way to write a config
+    from modelwarden.testing import toml_value  # the harness's TOML writer: one way to write a config
 
     lines = ["[[models]]", f'name = "{name}"', f'source = "{source}"', f"workers = {len(devices)}",
              f"device = {toml_value(devices)}", "threads = 1", "warmup = 2",
@@ -126,7 +126,7 @@ class GpuDaemon:
         self.endpoint = f"ipc://{self.dir}/run/frontend.sock"
 
     def status(self) -> dict:
-        from modelwarden.shared.control import control_request
+        from modelwarden.client.control import control_request
 
         return control_request(f"ipc://{self.dir}/run/control.sock", {"type": "status"}, 5.0)["status"]
 
@@ -134,11 +134,11 @@ class GpuDaemon:
         return [w for w in self.status()["workers"] if w["model"] == model and w["pid"]]
 
     def wait(self, condition: Callable[[], object], timeout: float, what: str):
-        from tests.helpers import poll_until
+        from modelwarden.testing import DaemonGone, poll_until
 
         def alive_and(condition=condition):
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the daemon exited:\n{self.tail()}")
+            if self.process.poll() is not None:  # fails the poll at once, not at its deadline
+                raise DaemonGone(f"the daemon exited:\n{self.tail()}")
             return condition()
 
         return poll_until(alive_and, timeout, interval=0.1, message=what)

@@ -1,6 +1,6 @@
 """What N workers of one big model cost in memory, with and without ``weights = "mmap"``.
 
-    python bench/memory.py [--workers 4] [--width 7168]
+    python bench/memory.py [--workers 4] [--width 7168] [--json FILE]
 
 Writes an MLP of ``width x width`` (+ a small head) as a .safetensors file (205 MB at the default
 width) and starts the daemon three times, each time ``--workers`` workers (1 thread each):
@@ -17,6 +17,7 @@ Exit status 1 when the target is missed.
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -64,7 +65,7 @@ def pss_bytes(pid: int) -> int:
 
 def measure(workdir: Path, name: str, workers: int, width: int, weights: str) -> list[int]:
     """The PSS of each worker of one daemon run, once every worker is READY."""
-    from modelwarden.shared.control import control_request
+    from modelwarden.client.control import control_request
 
     run = workdir / name
     run.mkdir()
@@ -126,13 +127,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--width", type=int, default=7168, help="7168: 205 MB of float32 weights")
+    parser.add_argument("--json", type=Path, help="also write the measurements here")
     args = parser.parse_args(argv)
+    from bench.machine import command, machine
+
+    measured_on = machine()
     workdir = Path(tempfile.mkdtemp(prefix="mw-mem-", dir="/tmp"))
     try:
         weights_bytes = write_weights(workdir / "big.safetensors", args.width)
         results = {name: measure(workdir, name, args.workers, args.width, weights)
                    for name, weights in (("runtime", "none"), ("load", "load"), ("mmap", "mmap"))}
-        return 0 if report(results, weights_bytes, args.workers) else 1
+        passed = report(results, weights_bytes, args.workers)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({
+                "machine": measured_on, "command": command(), "workers": args.workers,
+                "width": args.width, "weights_bytes": weights_bytes, "pss_bytes": results,
+                "target_bytes": round(sum(results["runtime"]) + 1.2 * weights_bytes),
+                "met": passed}, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0 if passed else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

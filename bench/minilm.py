@@ -39,7 +39,7 @@ SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.",
 
 
 def start_daemon(workdir: Path, workers: int) -> tuple[subprocess.Popen, str]:
-    from modelwarden.shared.control import control_request
+    from modelwarden.client.control import control_request
 
     env = {**os.environ, "MODELWARDEN_DAEMON__RUNTIME_DIR": str(workdir / "run"),
            "MODELWARDEN_DAEMON__ALLOW_OVERSUBSCRIPTION": "true",
@@ -101,7 +101,7 @@ def point(endpoint: str, inputs: list, expected: torch.Tensor, concurrency: int,
 
 def batch_counts(workdir: Path) -> tuple[int, float]:
     """(batches formed, requests in them) so far, from ``status``."""
-    from modelwarden.shared.control import control_request
+    from modelwarden.client.control import control_request
 
     status = control_request(f"ipc://{workdir}/run/control.sock", {"type": "status"}, 5.0)["status"]
     batching = status["models"][0].get("batching") or {}

@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -155,6 +156,96 @@ def bench_zmq(workdir: Path, spawn, sizes, iterations) -> dict:
     return results
 
 
+FLOOR_IN_FLIGHT = (1, 8)
+
+
+def bench_proxy_cpu(workdir: Path, spawn, count: int) -> dict:
+    """The floor: a C ``zmq.proxy`` broker's CPU per request (all its threads, user + system,
+    from /proc), ROUTER -> DEALER, REQ clients, two REP echoes, 1 KiB, at 1 and 8 in flight.
+    It does what our supervisor does per request minus everything that is ours: two hops."""
+    # "backend" in the name: _rep_server connects to it (and binds anything else)
+    front, back = f"ipc://{workdir}/floor-front.sock", f"ipc://{workdir}/floor-backend.sock"
+    proxy = spawn.Process(target=_proxy, args=(front, back), daemon=True)
+    echoes = [spawn.Process(target=_rep_server, args=(back,), daemon=True) for _ in range(2)]
+    for process in (proxy, *echoes):
+        process.start()
+    context = zmq.Context()
+    data = np.random.default_rng(0).bytes(SIZES["1KiB"])
+    out = {}
+    try:
+        for in_flight in FLOOR_IN_FLIGHT:
+            sockets = [context.socket(zmq.REQ) for _ in range(in_flight)]
+            for sock in sockets:
+                sock.connect(front)
+                sock.send(data)  # warm: the connection made, the echoes reached
+                sock.recv()
+
+            def client(sock: zmq.Socket, n: int) -> None:
+                for _ in range(n):
+                    sock.send(data, copy=False)
+                    sock.recv(copy=False)
+
+            each = max(1, count // in_flight)
+            before, started = cpu_seconds(proxy.pid), time.perf_counter()
+            threads = [threading.Thread(target=client, args=(sock, each)) for sock in sockets]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            spent, wall = cpu_seconds(proxy.pid) - before, time.perf_counter() - started
+            out[str(in_flight)] = {"proxy_cpu_us": round(spent / (each * in_flight) * 1e6, 1),
+                                   "rps": round(each * in_flight / wall, 1), "n": each * in_flight}
+            for sock in sockets:
+                sock.close(0)
+    finally:
+        for process in (proxy, *echoes):
+            process.kill()
+        context.term()
+    return out
+
+
+def bench_uncompiled_cpu(workdir: Path, quick: bool) -> dict | str:
+    """cpu-per-request again, every process on the uncompiled path: a copy of the checkout
+    without the compiled modules on PYTHONPATH (the client here, the daemon and its worker).
+    A string says why not (not a checkout, or this tree is not compiled)."""
+    from modelwarden import compiled
+    from modelwarden.testing import copy_checkout
+
+    if compiled.COMPILED_STATE not in compiled.report().values():
+        return "this tree runs uncompiled already: nothing to compare"
+    if not (ROOT / ".git").exists():
+        return "not a git checkout: no uncompiled copy to make"
+    tree = workdir / "uncompiled"
+    copy_checkout(ROOT, tree)
+    result = subprocess.run([sys.executable, str(tree / "bench" / "payloads.py"), "--cpu-only",
+                             *(["--quick"] if quick else [])], cwd=tree, capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tree)})
+    if result.returncode != 0:
+        raise RuntimeError(f"the uncompiled run failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def cpu_only(quick: bool) -> int:
+    """``--cpu-only``: one JSON line, this process's request path's cpu-per-request."""
+    from modelwarden import compiled
+    from modelwarden.client.client import Client
+
+    workdir = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
+    daemon = start_daemon(workdir)
+    try:
+        with Client(f"ipc://{workdir}/run/frontend.sock") as client:
+            for _ in range(200):
+                client.infer("identity", payload(SIZES["1KiB"]))
+            row = cpu_per_request(daemon.pid, workdir, client, count=600 if quick else 3000)
+        row["request_path"] = compiled.summary()
+        print(json.dumps(row))
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
 def bench_procpool(spawn, sizes, iterations) -> dict:
     out = {}
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
@@ -248,7 +339,7 @@ def start_daemon(workdir: Path, workers: int = 1, max_queue: int = 1024) -> subp
 def wait_until_serving(daemon: subprocess.Popen, endpoint: str,
                        timeout: float = 120.0) -> subprocess.Popen:
     """The daemon, once its ``identity`` model answers (RuntimeError if it never does)."""
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
 
     with Client(endpoint, timeout=2) as client:
         deadline = time.monotonic() + timeout
@@ -262,7 +353,7 @@ def wait_until_serving(daemon: subprocess.Popen, endpoint: str,
 
 
 def bench_modelwarden(workdir: Path, sizes, iterations) -> dict:
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
 
     daemon = start_daemon(workdir)
     endpoint = f"ipc://{workdir}/run/frontend.sock"
@@ -293,7 +384,7 @@ def cpu_seconds(pid: int) -> float:
 
 def cpu_per_request(supervisor: int, workdir: Path, client, count: int = 3000) -> dict:
     """CPU time per 1 KiB round trip in each process (all threads: ZeroMQ's I/O thread too)."""
-    from modelwarden.shared.client import control_request
+    from modelwarden.client.client import control_request
 
     status = control_request(f"ipc://{workdir}/run/control.sock", {"type": "status"})["status"]
     worker = status["workers"][0]["pid"]
@@ -338,7 +429,7 @@ def p50_of(results: dict, path: str, size: str) -> float:
 def print_table(results: dict, sizes) -> None:
     print(f"{'path':14s} {'size':>6s} {'p50':>11s} {'p99':>11s} {'req/s':>9s} {'MB/s':>9s}")
     for path, by_size in results.items():
-        if path == "cpu-per-request":
+        if path.startswith(("cpu-per-request", "zmq-proxy-cpu")):
             continue
         for size in sizes:
             row = by_size.get(size)
@@ -353,7 +444,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (a smoke run)")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "payloads.json"))
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="print one JSON line: CPU per 1 KiB round trip in each process")
     args = parser.parse_args()
+    if args.cpu_only:
+        return cpu_only(args.quick)
+    from bench.machine import command, machine
+
+    measured_on = machine()
     iterations = QUICK if args.quick else ITERATIONS
     spawn = multiprocessing.get_context("spawn")
     workdir = Path(tempfile.mkdtemp(prefix="mwb-", dir="/tmp"))
@@ -361,6 +459,8 @@ def main() -> int:
     try:
         results.update(bench_modelwarden(workdir, SIZES, iterations))
         results.update(bench_zmq(workdir, spawn, SIZES, iterations))
+        results["zmq-proxy-cpu"] = bench_proxy_cpu(workdir, spawn, 2000 if args.quick else 20000)
+        results["cpu-per-request-uncompiled"] = bench_uncompiled_cpu(workdir, args.quick)
         results.update(bench_torch_mp(SIZES, iterations))
         results["procpool"] = bench_procpool(spawn, SIZES, iterations)
         results.update(bench_local(SIZES, iterations))
@@ -375,13 +475,27 @@ def main() -> int:
     print(f"where the time goes, per 1 KiB round trip ({cpu['wall_us']} us wall): CPU "
           f"client {cpu['client_us']} us, supervisor {cpu['supervisor_us']} us, "
           f"worker {cpu['worker_us']} us (all threads, user + system)")
+    floor = results["zmq-proxy-cpu"]
+    print("the floor, a C zmq.proxy broker's CPU per 1 KiB request: "
+          + ", ".join(f"{row['proxy_cpu_us']} us at {n} in flight ({row['rps']:.0f} req/s)"
+                      for n, row in floor.items())
+          + f"; our supervisor, sequential: {cpu['supervisor_us'] / floor['1']['proxy_cpu_us']:.2f}x "
+            "the floor at 1 in flight")
+    uncompiled = results["cpu-per-request-uncompiled"]
+    if isinstance(uncompiled, dict):
+        print("compiled / uncompiled request path, CPU per 1 KiB round trip (same run): "
+              + ", ".join(f"{who} {cpu[f'{who}_us'] / uncompiled[f'{who}_us']:.2f}x"
+                          for who in ("client", "supervisor", "worker"))
+              + f", wall {cpu['wall_us'] / uncompiled['wall_us']:.2f}x")
+    else:
+        print(f"compiled / uncompiled: not measured ({uncompiled})")
     print()
     for row in report:
         print(f"{'MET ' if row['met'] else 'MISS'} {row['target']:42s} ratio {row['ratio']:.3f} "
               f"(target {row['op']} {row['bound']})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"machine": {"cpus": os.cpu_count(),
-                                                       "torch": torch.__version__},
+    Path(args.json).write_text(json.dumps({"machine": measured_on, "command": command(),
+                                           "sizes": SIZES, "iterations": iterations,
                                            "results": results, "targets": report}, indent=2))
     print(f"\nwrote {args.json}")
     return 0

@@ -15,7 +15,8 @@ clients, SIGKILL the READY worker of slot 0 in the middle and measure:
   lost          requests sent but not answered ok (a typed error counts, nothing may be missing)
 
 Targets (issue 14): with a standby, kill->READY <= 100 ms and ratio >= 0.9; without one,
-unchanged from before standbys existed. The JSON has one object per configuration.
+the slot is empty for the whole boot. The JSON (``--json``) has the machine, the settings and one
+object per configuration, with its timeline: answers per 0.1 s and p99 per 0.5 s around the kill.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from modelwarden.shared.client import Client, RemoteError, control_request  # noqa: E402
+from modelwarden.client.client import Client, RemoteError, control_request  # noqa: E402
 
 MODEL = "slow"
 START_SECONDS = 2.0
@@ -144,6 +145,24 @@ def window(records, start: float, end: float) -> dict:
             "p99_ms": round(latencies[min(n - 1, int(n * 0.99))] * 1000, 2) if n else None}
 
 
+def timeline(records, killed_at: float, seconds: float, bin_s: float = 0.1,
+             p99_bin_s: float = 0.5) -> dict:
+    """Answers per second in ``bin_s`` bins and p99 latency in ``p99_bin_s`` bins, from
+    ``seconds`` before the kill to ``seconds`` after it (times relative to the kill)."""
+    def binned(width: float) -> list[list[float]]:
+        bins: list[list[float]] = [[] for _ in range(round(2 * seconds / width))]
+        for at, latency, ok in records:
+            index = int((at - killed_at + seconds) // width)
+            if ok and 0 <= index < len(bins):
+                bins[index].append(latency)
+        return bins
+
+    p99 = [sorted(b)[min(len(b) - 1, int(len(b) * 0.99))] * 1000 if b else None
+           for b in binned(p99_bin_s)]
+    return {"start_s": -seconds, "bin_s": bin_s, "rps": [round(len(b) / bin_s, 1) for b in binned(bin_s)],
+            "p99_bin_s": p99_bin_s, "p99_ms": [None if v is None else round(v, 2) for v in p99]}
+
+
 def time_to_ready(workdir: Path, victim: int, killed_at: float, limit: float = 60) -> float:
     while time.monotonic() - killed_at < limit:
         row = next(w for w in status(workdir)["workers"] if w["id"] == f"{MODEL}#0")
@@ -175,7 +194,8 @@ def run(standby: int, seconds: float, clients: int, load_seconds: float) -> dict
                 "ratio": round(after["rps"] / before["rps"], 3) if before["rps"] else None,
                 "p99_before_ms": before["p99_ms"], "p99_after_ms": after["p99_ms"],
                 "sent": load.sent, "ok": ok, "lost": load.sent - len(load.records),
-                "errors": len(load.records) - ok, "promoted": promoted}
+                "errors": len(load.records) - ok, "promoted": promoted,
+                "timeline": timeline(load.records, killed_at, seconds)}
     finally:
         daemon.send_signal(signal.SIGTERM)
         try:
@@ -206,11 +226,18 @@ def main() -> int:
     parser.add_argument("--load-seconds", type=float, default=1.0)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    from bench.machine import command, machine
+
+    measured_on = machine()
     rows = [run(standby, args.seconds, args.clients, args.load_seconds) for standby in (0, 1)]
     print(table(rows))
-    print(json.dumps(rows, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        settings = {"seconds": args.seconds, "clients": args.clients,
+                    "load_seconds": args.load_seconds, "workers": 2, "threads": 1}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": measured_on, "command": command(),
+                                         "settings": settings, "runs": rows}, indent=1) + "\n")
+        print(f"wrote {args.json}")
     return 0
 
 

@@ -77,6 +77,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.loadgen import Window, run_async, run_threads  # noqa: E402
 from bench.models import BUSY_WIDTH, FACTORIES  # noqa: E402
+from bench.machine import command, machine  # noqa: E402
 from bench.payloads import cpu_seconds  # noqa: E402
 
 PEERS_DIR = ROOT / "bench" / ".peers"
@@ -283,7 +284,7 @@ def mw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict
 
 
 def start_daemon(workdir: Path, label: str, text: str, models: dict[str, Workload]):
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
 
     slug = label.replace(" ", "_").replace(",", "")
     config = workdir / f"{slug}.toml"
@@ -618,7 +619,7 @@ def empty_grpc_call(address: str, timing: Timing) -> dict:
 
 def find_perf_analyzer(notes: list[str]) -> tuple[Path, dict] | None:
     """perf_analyzer's binary and environment, or None with a note saying why."""
-    from tests.helpers import perf_analyzer
+    from modelwarden.testing import perf_analyzer
 
     found = perf_analyzer()
     if isinstance(found, str):
@@ -633,10 +634,13 @@ def perf_analyzer_point(analyzer: tuple[Path, dict], address: str, model: str,
     """perf_analyzer's own closed loop over gRPC at ``concurrency`` (it does not check answers;
     a failed request fails the run)."""
     binary, env = analyzer
-    window_ms = int(timing.duration_s * 1000 / 2)  # three windows: its stability rule needs 3
+    # Windows of half the duration until the last 3 agree within 2x (its stability rule); on two
+    # shared cores a batching delay can make 3 windows in a row disagree, so it may try 10 (its
+    # default) before it gives up and fails the point.
+    window_ms = int(timing.duration_s * 1000 / 2)
     done = subprocess.run(
         [str(binary), "-m", model, "-i", "grpc", "-u", address, "--concurrency-range",
-         str(concurrency), "-p", str(window_ms), "--stability-percentage", "100", "--max-trials", "3",
+         str(concurrency), "-p", str(window_ms), "--stability-percentage", "100", "--max-trials", "10",
          "--percentile", "50", "--shape", "x:" + ",".join(map(str, workload.input_shape))]
         + (["--async"] if concurrency > 1 else []),
         capture_output=True, text=True, env=env, timeout=120 + 10 * timing.duration_s)
@@ -704,12 +708,15 @@ def peer_python(peer: Peer) -> Path:
     return PEERS_DIR / peer.name / "bin" / "python"
 
 
-def install_peer(peer: Peer) -> str | None:
-    """Its own virtualenv with its pinned requirements; None, or why it could not be installed."""
+def install_peer(peer: Peer, extra: tuple[str, ...] = ()) -> str | None:
+    """Its own virtualenv with its pinned requirements (and ``extra``: bench/text.py adds the
+    tokenizer); None, or why it could not be installed. The stamp lists what was installed, so
+    a benchmark that needs less than another installed does not install again."""
     venv = PEERS_DIR / peer.name
-    wanted = "\n".join(PEER_COMMON + peer.requirements)
+    wanted = list(PEER_COMMON + peer.requirements + extra)
     stamp = venv / ".bench-requirements"
-    if stamp.exists() and stamp.read_text() == wanted:
+    have = stamp.read_text().splitlines() if stamp.exists() else []
+    if set(wanted) <= set(have):
         return None
     print(f"setting up {peer.name} in {venv} ...", flush=True)
     started = time.monotonic()
@@ -718,14 +725,14 @@ def install_peer(peer: Peer) -> str | None:
             subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True,
                            capture_output=True, timeout=300)
         done = subprocess.run([str(peer_python(peer)), "-m", "pip", "install", "--quiet",
-                               "--disable-pip-version-check", *PEER_COMMON, *peer.requirements],
+                               "--disable-pip-version-check", *wanted],
                               capture_output=True, text=True, timeout=1200)
     except (subprocess.SubprocessError, OSError) as exc:
         return f"install failed: {exc}"
     if done.returncode != 0:
         errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
         return "install failed: " + (errors[-1] if errors else done.stderr.strip()[-300:])
-    stamp.write_text(wanted)
+    stamp.write_text("\n".join(dict.fromkeys(have + wanted)))
     print(f"  installed in {time.monotonic() - started:.0f} s", flush=True)
     return None
 
@@ -763,7 +770,14 @@ def request_body(peer: Peer, x: torch.Tensor) -> tuple[bytes, str]:
 def wait_ready(peer: Peer, process: subprocess.Popen, url: str, workload: Workload) -> None:
     """Until one real inference answers 200: health endpoints can answer before the workers."""
     body, content_type = request_body(peer, workload.inputs[0])
-    deadline = time.monotonic() + peer.start_timeout_s
+    wait_answering(process, url, body, content_type, peer.start_timeout_s, peer.name)
+
+
+def wait_answering(process: subprocess.Popen, url: str, body: bytes, content_type: str,
+                   timeout: float, name: str) -> None:
+    """Until POSTing ``body`` to ``url`` answers 200; RuntimeError naming ``name`` when its
+    process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
             request = urllib.request.Request(url, data=body, headers={"content-type": content_type})
@@ -773,9 +787,9 @@ def wait_ready(peer: Peer, process: subprocess.Popen, url: str, workload: Worklo
         except OSError:
             pass
         if process.poll() is not None:
-            raise RuntimeError(f"{peer.name} exited with status {process.returncode}")
+            raise RuntimeError(f"{name} exited with status {process.returncode}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{peer.name} did not answer within {peer.start_timeout_s:.0f} s")
+            raise RuntimeError(f"{name} did not answer within {timeout:.0f} s")
         time.sleep(0.5)
 
 
@@ -1070,6 +1084,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     timing = Timing(0.3, 1.2) if args.quick else Timing(1.0, 4.0)
     started = time.monotonic()
+    measured_on = machine()
     workdir = Path(tempfile.mkdtemp(prefix="mwsrv-", dir="/tmp"))
     notes: list[str] = []
     rows: list[dict] = []
@@ -1092,25 +1107,32 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print_table(rows, workloads)
     report = targets(rows, workloads)
-    print_targets(report)
-    for note in notes:
-        print(f"note: {note}")
-    elapsed = round(time.monotonic() - started, 1)
-    print(f"\n{len(rows)} points in {elapsed} s")
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "machine": {"cpus": os.cpu_count(), "torch": torch.__version__},
+    write_results(args.json, rows, report, notes, started, {
+        "machine": measured_on, "command": command(),
         "timing": {"warmup_s": timing.warmup_s, "duration_s": timing.duration_s},
         "workloads": {w.name: {"title": w.title, "kind": w.kind, "kwargs": w.kwargs,
                                "input_shape": w.input_shape, "forward_p50_ms": w.forward_p50_ms,
                                "batch_p50_ms": w.batch_p50_ms} for w in workloads.values()},
         "peers": {name: {"requirements": list(PEER_COMMON + peer.requirements),
                          "transport": peer.transport} for name, peer in PEERS.items()
-                  if name in args.systems},
-        "points": rows, "targets": report, "notes": notes, "elapsed_s": elapsed}, indent=2))
-    print(f"wrote {out}")
+                  if name in args.systems}})
     return 0
+
+
+def write_results(path: str, rows: list[dict], report: list[dict], notes: list[str],
+                  started: float, head: dict) -> None:
+    """Print the targets and notes, then write ``head`` and the run's points, targets, notes
+    and duration as the benchmark's JSON (what bench/report.py draws)."""
+    print_targets(report)
+    for note in notes:
+        print(f"note: {note}")
+    elapsed = round(time.monotonic() - started, 1)
+    print(f"\n{len(rows)} points in {elapsed} s")
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**head, "points": rows, "targets": report, "notes": notes,
+                               "elapsed_s": elapsed}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

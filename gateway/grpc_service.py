@@ -3,7 +3,8 @@
 ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer, and Triton's
 ModelConfig (what perf_analyzer asks first; kserve.model_config says what it reports). Inputs come
 as ``raw_input_contents`` (one entry per input, what Triton's client sends) or as typed
-``contents``; outputs always go back as ``raw_output_contents``. Errors abort the call with the
+``contents`` (BYTES: ``bytes_contents``, or raw as the 4-byte little-endian length prefixes
+each element followed by its bytes); outputs always go back as ``raw_output_contents``. Errors abort the call with the
 status of ``kserve.GRPC_STATUS`` and the text ``CODE: message``. With a token file
 (gateway/access.py), every method but ServerLive and ServerReady aborts UNAUTHENTICATED a call
 without a valid ``authorization: Bearer TOKEN`` in its metadata *before its message is read*:
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 # typed contents: the InferTensorContents field each datatype travels in
 _CONTENTS_FIELD = {"BOOL": "bool_contents", "UINT8": "uint_contents", "INT8": "int_contents",
                    "INT16": "int_contents", "INT32": "int_contents", "INT64": "int64_contents",
-                   "FP32": "fp32_contents", "FP64": "fp64_contents"}
+                   "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -147,11 +148,15 @@ def _typed_tensor(name: str, datatype: str, shape: tuple[int, ...], contents) ->
     field = _CONTENTS_FIELD.get(datatype)
     if field is None:
         raise kserve.bad_input(f"input {name!r}: {datatype} travels only as raw_input_contents")
+    if datatype == kserve.BYTES:
+        kserve.check_element_count(name, shape)  # before the values are looked at
     values = getattr(contents, field)
     count = math.prod(shape)
     if len(values) != count:
         raise kserve.bad_input(f"input {name!r}: {len(values)} values in contents.{field}, but "
                                f"shape {list(shape)} holds {count}")
+    if datatype == kserve.BYTES:
+        return kserve.listed_elements(name, shape, list(values))
     try:
         array = np.array(values, dtype=kserve.DATATYPES[datatype]).reshape(shape)
     except (OverflowError, ValueError) as exc:
@@ -164,7 +169,7 @@ def encode_response(request, version: str, outputs: list) -> "pb.ModelInferRespo
                                      id=request.id)
     for name, tensor in outputs:
         response.outputs.add(name=name, datatype=kserve.tensor_datatype(tensor),
-                             shape=list(tensor.shape))
+                             shape=kserve.shape_of(tensor))
         response.raw_output_contents.append(bytes(kserve.tensor_bytes(tensor)))
     return response
 

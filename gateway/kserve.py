@@ -3,11 +3,15 @@
 What the REST and gRPC fronts (gateway/http.py, gateway/grpc_service.py) share:
 
 * datatype names: the protocol's ``BOOL, UINT8, INT8, INT16, INT32, INT64, FP16, BF16, FP32,
-  FP64`` <-> modelwarden's dtype names (shared/protocol.py ``DTYPES``) and torch dtypes. The
-  protocol's UINT16/32/64 and BYTES have no torch tensor to travel as: refused with BAD_INPUT.
+  FP64`` <-> modelwarden's dtype names (shared/protocol.py ``DTYPES``) and torch dtypes, and
+  ``BYTES`` <-> modelwarden's str/bytes elements (``ELEMENT_TYPES``): a BYTES input is bytes
+  elements, or str where the model declares the input ``dtype = "str"`` (``as_declared``:
+  UTF-8 checked). The protocol's UINT16/32/64 have no torch tensor: refused with BAD_INPUT.
 * tensors in: ``raw_tensor`` (raw bytes: the binary data extension, gRPC's raw_input_contents)
   and ``json_tensor`` (a JSON ``data`` list, flat or nested, row-major) -> a torch tensor, after
-  checking the datatype name, the shape and that the data holds exactly shape's elements.
+  checking the datatype name, the shape and that the data holds exactly shape's elements. For
+  BYTES they give ``codec.Elements``: raw, the 4-byte little-endian length prefixes checked and
+  passed through as they came (they are the native wire form); JSON, a list of strings.
 * tensors out: ``tensor_datatype``, ``tensor_bytes`` (raw, little-endian, row-major) and
   ``tensor_json`` (a flat list).
 * a REST request body: ``split_body`` (the ``Inference-Header-Content-Length`` split),
@@ -32,6 +36,8 @@ import numpy as np
 import torch
 
 from modelwarden.shared import protocol
+from modelwarden.shared.codec import Elements, elements
+from modelwarden.shared.descriptors import ElementList, split_elements
 from modelwarden.shared.protocol import (BAD_INPUT, BAD_REQUEST, INTERNAL, MODEL_ERROR, NO_WORKER,
                                          OUT_OF_MEMORY, OVERLOADED, POISON, SHUTTING_DOWN, TIMEOUT,
                                          UNKNOWN_MODEL, WORKER_DIED, ProtocolError)
@@ -41,7 +47,9 @@ DATATYPES: dict[str, str] = {
     "BOOL": "bool", "UINT8": "uint8", "INT8": "int8", "INT16": "int16", "INT32": "int32",
     "INT64": "int64", "FP16": "float16", "BF16": "bfloat16", "FP32": "float32", "FP64": "float64",
 }
-DTYPE_DATATYPES: dict[str, str] = {dtype: name for name, dtype in DATATYPES.items()}
+BYTES = "BYTES"  # the protocol's variable-length datatype: modelwarden's str/bytes elements
+DTYPE_DATATYPES: dict[str, str] = {**{dtype: name for name, dtype in DATATYPES.items()},
+                                   "str": BYTES, "bytes": BYTES}
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16,
     "INT32": torch.int32, "INT64": torch.int64, "FP16": torch.float16, "BF16": torch.bfloat16,
@@ -108,10 +116,10 @@ def bad_request(message: str) -> ProtocolError:
 def check_datatype(name: str, datatype: Any) -> str:
     if not isinstance(datatype, str):
         raise bad_input(f"input {name!r}: 'datatype' must be a string")
-    if datatype not in DATATYPES:
-        hint = " (no torch tensor holds it)" if datatype in ("UINT16", "UINT32", "UINT64", "BYTES") else ""
+    if datatype not in DATATYPES and datatype != BYTES:
+        hint = " (no torch tensor holds it)" if datatype in ("UINT16", "UINT32", "UINT64") else ""
         raise bad_input(f"input {name!r}: datatype {datatype[:32]!r} is not supported{hint}; "
-                        f"supported: {', '.join(DATATYPES)}")
+                        f"supported: {', '.join(DATATYPES)}, {BYTES}")
     return datatype
 
 
@@ -157,7 +165,8 @@ def model_config(name: str, entry: dict) -> dict:
     def tensors(specs: list[dict] | None) -> list[dict]:
         # complex dtypes have no Triton type: TYPE_INVALID, as Triton says of a type it lacks
         return [{"name": item["name"], "dims": item["shape"][1:] if batched else item["shape"],
-                 "data_type": f"TYPE_{item['datatype']}" if item["datatype"] in DATATYPES
+                 "data_type": "TYPE_STRING" if item["datatype"] == BYTES
+                 else f"TYPE_{item['datatype']}" if item["datatype"] in DATATYPES
                  else "TYPE_INVALID"}
                 for item in tensor_metadata(specs, batch_dim)]
 
@@ -172,8 +181,11 @@ def model_config(name: str, entry: dict) -> dict:
 # -- tensors in -------------------------------------------------------------------------------
 
 
-def raw_tensor(name: str, datatype: str, shape: tuple[int, ...], data) -> torch.Tensor:
-    """A tensor over ``data`` (bytes-like; not copied), which must hold exactly shape's bytes."""
+def raw_tensor(name: str, datatype: str, shape: tuple[int, ...], data) -> torch.Tensor | Elements:
+    """A tensor over ``data`` (bytes-like; not copied), which must hold exactly shape's bytes;
+    for BYTES, the elements ``data`` holds (``raw_elements``)."""
+    if datatype == BYTES:
+        return raw_elements(name, shape, data)
     expected = byte_size(datatype, shape)
     got = memoryview(data).nbytes
     if got != expected:
@@ -185,15 +197,18 @@ def raw_tensor(name: str, datatype: str, shape: tuple[int, ...], data) -> torch.
     return torch.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> torch.Tensor:
-    """A tensor from a JSON ``data`` list (flat or nested, row-major)."""
+def json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> torch.Tensor | Elements:
+    """A tensor from a JSON ``data`` list (flat or nested, row-major); for BYTES, the elements
+    of a list of strings."""
     if not isinstance(data, list):
         raise bad_input(f"input {name!r}: 'data' must be a list")
+    count = check_element_count(name, shape) if datatype == BYTES else math.prod(shape)
     flat = _flatten_json(name, data)
-    count = math.prod(shape)
     if len(flat) != count:
         raise bad_input(f"input {name!r}: {len(flat)} values in 'data', but shape {list(shape)} "
                         f"holds {count}")
+    if datatype == BYTES:
+        return listed_elements(name, shape, flat)
     kinds = _JSON_KINDS.get(datatype, (int,))
     for value in flat:
         # bool is an int in Python: only BOOL takes true/false, and BOOL takes nothing else.
@@ -205,6 +220,61 @@ def json_tensor(name: str, datatype: str, shape: tuple[int, ...], data: Any) -> 
         raise bad_input(f"input {name!r}: a value does not fit {datatype} ({exc})") from None
     tensor = torch.from_numpy(array)
     return tensor.to(torch.bfloat16) if datatype == "BF16" else tensor
+
+
+# -- BYTES: str/bytes elements ----------------------------------------------------------------
+
+
+def check_element_count(name: str, shape: tuple[int, ...]) -> int:
+    """prod(shape) of a BYTES input, refused past the native limit before any data is read."""
+    count = math.prod(shape)
+    if math.prod(max(dim, 1) for dim in shape) > protocol.MAX_ELEMENTS:
+        raise bad_input(f"input {name!r}: shape {list(shape)} holds more than "
+                        f"{protocol.MAX_ELEMENTS} BYTES elements")
+    return count
+
+
+def raw_elements(name: str, shape: tuple[int, ...], data) -> Elements:
+    """The BYTES elements of ``data``, the binary form (each a 4-byte little-endian length,
+    then its bytes, row-major): checked whole (the count shape gives, no prefix past the end, no
+    bytes after the last, within MAX_ELEMENT_BYTES) and passed on as they are."""
+    count = check_element_count(name, shape)
+    size = memoryview(data).nbytes
+    if size > protocol.MAX_ELEMENT_BYTES:
+        raise bad_input(f"input {name!r}: {size} bytes of BYTES data exceed "
+                        f"{protocol.MAX_ELEMENT_BYTES}")
+    try:
+        _, longest = split_elements(data, count, text=False)
+    except ProtocolError as exc:
+        raise bad_input(f"input {name!r}: {exc.message} (BYTES {list(shape)})") from None
+    return Elements("bytes", shape, bytes(data), longest)
+
+
+def listed_elements(name: str, shape: tuple[int, ...], flat: list) -> Elements:
+    """The elements of JSON strings (flat, row-major) or gRPC's bytes_contents."""
+    if flat and not all(isinstance(value, (str, bytes)) for value in flat):
+        bad = next(value for value in flat if not isinstance(value, (str, bytes)))
+        raise bad_input(f"input {name!r}: {json.dumps(bad)[:32]} is not a BYTES value (a string)")
+    try:
+        return elements("bytes", shape, [value.encode("utf-8") if isinstance(value, str)
+                                         else value for value in flat])
+    except UnicodeEncodeError:  # "\ud800" in JSON: a lone surrogate, no UTF-8 form
+        raise bad_input(f"input {name!r}: a string is not valid Unicode (a lone surrogate)") from None
+    except TypeError as exc:  # past MAX_ELEMENT_BYTES
+        raise bad_input(f"input {name!r}: {exc}") from None
+
+
+def as_declared(name: str, value: Any, dtype: str | None) -> Any:
+    """A BYTES input as the model declares it: str elements (the same payload, UTF-8 checked)
+    for ``dtype = "str"``, else bytes as they came."""
+    if not isinstance(value, Elements) or dtype != "str":
+        return value
+    count = math.prod(value.shape)
+    try:
+        split_elements(value.payload, count, text=True)
+    except ProtocolError as exc:
+        raise bad_input(f"input {name!r} is declared str: {exc.message.split(': ', 1)[-1]}") from None
+    return value._replace(dtype="str")
 
 
 def _flatten_json(name: str, data: list) -> list:
@@ -226,11 +296,27 @@ def _flatten_json(name: str, data: list) -> list:
 # -- tensors out ------------------------------------------------------------------------------
 
 
-def as_torch(value: Any) -> torch.Tensor:
-    return value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+def as_torch(value: Any) -> torch.Tensor | Elements:
+    """One output as the gateway sends it: a tensor, or Elements for str/bytes (a bare
+    str/bytes for a 0-d one, an ElementList, as the native client gives them)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (str, bytes)):
+        return elements("str" if isinstance(value, str) else "bytes", (), [value])
+    if isinstance(value, ElementList):
+        return elements(value.dtype, value.shape, _flat_elements(value, len(value.shape)))
+    return torch.from_numpy(np.asarray(value))
 
 
-def tensor_datatype(tensor: torch.Tensor) -> str:
+def _flat_elements(nested: list, dims: int) -> list:
+    for _ in range(dims - 1):
+        nested = [item for row in nested for item in row]
+    return list(nested)
+
+
+def tensor_datatype(tensor: torch.Tensor | Elements) -> str:
+    if isinstance(tensor, Elements):
+        return BYTES
     datatype = DATATYPE_OF_TORCH.get(tensor.dtype)
     if datatype is None:
         raise ProtocolError(MODEL_ERROR, f"the model returned a {tensor.dtype} tensor, which the "
@@ -238,19 +324,39 @@ def tensor_datatype(tensor: torch.Tensor) -> str:
     return datatype
 
 
-def tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes, row-major (a view when it is contiguous on the CPU already)."""
+def tensor_bytes(tensor: torch.Tensor | Elements) -> memoryview:
+    """The tensor's bytes, row-major (a view when it is contiguous on the CPU already); BYTES
+    as their length-prefixed payload."""
+    if isinstance(tensor, Elements):
+        return memoryview(tensor.payload).cast("B")
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)  # numpy has no bfloat16: same bytes
     return memoryview(tensor.numpy()).cast("B")
 
 
-def tensor_json(tensor: torch.Tensor) -> list:
+def tensor_json(tensor: torch.Tensor | Elements, name: str = "") -> list:
+    if isinstance(tensor, Elements):
+        return _elements_json(tensor, name)
     tensor = tensor.detach().cpu()
     if tensor.dtype in (torch.bfloat16, torch.float16):
         tensor = tensor.float()
     return tensor.reshape(-1).tolist()
+
+
+def _elements_json(value: Elements, name: str) -> list:
+    """BYTES as JSON strings: bytes must be UTF-8 text to be one."""
+    try:
+        items, _ = split_elements(value.payload, math.prod(value.shape), text=True)
+    except ProtocolError:
+        raise bad_input(f"output {name!r} holds bytes that are not UTF-8 text, which JSON "
+                        "cannot carry: ask for it as binary data (its parameters.binary_data "
+                        "= true)") from None
+    return items
+
+
+def shape_of(tensor: torch.Tensor | Elements) -> list[int]:
+    return list(tensor.shape)
 
 
 def name_outputs(outputs: list[torch.Tensor], declared: list[dict] | None,
@@ -272,10 +378,10 @@ def flatten_outputs(value: Any) -> tuple[list, list[str] | None]:
     """The model's outputs as a flat list (and a dict's keys, which then name them)."""
     if isinstance(value, dict):
         return [as_torch(item) for item in value.values()], [str(key) for key in value]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) and not isinstance(value, ElementList):
         flat: list = []
         for item in value:
-            if isinstance(item, (list, tuple, dict)):
+            if isinstance(item, (list, tuple, dict)) and not isinstance(item, ElementList):
                 raise ProtocolError(MODEL_ERROR, "the model returned nested outputs, which the "
                                     "Open Inference Protocol cannot name")
             flat.append(as_torch(item))
@@ -473,13 +579,13 @@ def infer_response(model: str, version: str | None, request: InferRequest,
     Inference-Header-Content-Length)."""
     entries, chunks = [], []
     for name, tensor in outputs:
-        entry = {"name": name, "datatype": tensor_datatype(tensor), "shape": list(tensor.shape)}
+        entry = {"name": name, "datatype": tensor_datatype(tensor), "shape": shape_of(tensor)}
         if request.wants_binary(name):
             data = tensor_bytes(tensor)
             entry["parameters"] = {"binary_data_size": data.nbytes}
             chunks.append(data)
         else:
-            entry["data"] = tensor_json(tensor)
+            entry["data"] = tensor_json(tensor, name)
         entries.append(entry)
     reply: dict[str, Any] = {"model_name": model, "model_version": version or ""}
     if request.id is not None:

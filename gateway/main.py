@@ -14,7 +14,7 @@ Boot order:
      before handshakes (at most once a second, access.TlsFiles): a renewed certificate is in
      use from the next connection on, with no restart.
   3. tell the supervisor on the pipe it gave us, one JSON line: the addresses actually bound
-     (``{"http": "127.0.0.1:8000", "grpc": null}``); it marks us READY (supervisor/gateway.py)
+     (``{"http": "127.0.0.1:8000", "grpc": null}``); it marks us READY (supervisor/gatewaykeeper.py)
   4. serve until SIGTERM: stop accepting, finish what is in flight (a few seconds), exit 0
 
 Requests reach the daemon through one native AsyncClient (gateway/service.py). This module
@@ -49,7 +49,7 @@ USAGE_REPORT_S = 1.0  # how often what each caller holds is written for the supe
 def run(spec, pipe) -> None:
     """``spec``: a supervisor.gateway.GatewaySpec; ``pipe``: where we say we are listening."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from modelwarden.worker.placement import die_with_parent
+    from modelwarden.shared.process import die_with_parent
 
     if not die_with_parent(spec.supervisor_pid):
         sys.exit(EXIT_ORPHANED)
@@ -106,7 +106,7 @@ def _listening_socket(address: str, group: str | None) -> socket.socket:
 
 def _claim_unix_path(path: str) -> None:
     """Bind only over a stale socket: never over another file, never over a live listener."""
-    from modelwarden.supervisor.runtime import DaemonError, check_socket_path
+    from modelwarden.shared.process import DaemonError, check_socket_path
 
     try:
         check_socket_path(Path(path))  # the daemon's own rule for its ipc sockets
@@ -131,7 +131,7 @@ def _restrict(path: str, group: str | None) -> None:
     """Without a group the umask made it 0600; with one: owned by that group, then 0660."""
     if not group:
         return
-    from modelwarden.supervisor.runtime import DaemonError, restrict_socket
+    from modelwarden.shared.process import DaemonError, restrict_socket
 
     try:
         restrict_socket(Path(path), group)

@@ -5,8 +5,8 @@ The gateway is an ordinary client of the daemon's frontend: requests go through 
 any local client), so retries, deadlines, batching and every limit are the daemon's own.
 
 What the protocol asks about models (readiness, inputs, outputs, version) comes from the
-daemon's ``hello`` offer (docs/PROTOCOL.md): per model its READY workers, declared inputs and
-outputs, version, batch dimension and default timeout, and whether the daemon is stopping. The
+daemon's ``hello`` offer (docs/PROTOCOL.md): per model its READY workers, declared inputs, its
+outputs (declared, or learned from its workers' warm-up), version, batch dimension and default timeout, and whether the daemon is stopping. The
 offer is fetched on its own DEALER socket and kept ``CATALOG_TTL_S``: a readiness probe or a
 metadata call costs the daemon at most one hello per interval, and each infer reads the cached
 entry for its model.
@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from modelwarden.gateway import kserve
 from modelwarden.shared import __version__, protocol
-from modelwarden.shared.errors import RemoteError
+from modelwarden.shared.errors import InternalError, RemoteError
 from modelwarden.shared.protocol import SIGNATURE, UNKNOWN_MODEL, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class Catalog:
             self._socket.setsockopt(zmq.LINGER, 0)
             self._socket.connect(self.endpoint)
         request_id = next(self._ids)
-        await self._socket.send_multipart([SIGNATURE, protocol.pack({"type": "hello", "id": request_id})])
+        await self._socket.send_multipart([SIGNATURE, protocol.pack({"type": protocol.CLIENT_HELLO, "id": request_id})])
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while (left := deadline - time.monotonic()) > 0:
             if not await self._socket.poll(int(left * 1000)):
@@ -91,18 +91,15 @@ class Catalog:
 
 
 def _reply_header(frames: list) -> dict | None:
-    start = 1 if frames and len(frames[0]) == 0 else 0
-    if len(frames) < start + 2 or frames[start] != SIGNATURE:
-        return None
     try:
-        return protocol.unpack_header(frames[start + 1], strict=False)
-    except ProtocolError:
+        return protocol.split_reply(frames)[0]
+    except (InternalError, ProtocolError):
         return None
 
 
 class InferenceService:
     def __init__(self, endpoint: str) -> None:
-        from modelwarden.shared.client import AsyncClient  # torch: only in the gateway process
+        from modelwarden.client.client import AsyncClient  # torch: only in the gateway process
 
         self.client = AsyncClient(endpoint)
         self.catalog = Catalog(zmq.asyncio.Context.instance(), endpoint)
@@ -162,18 +159,24 @@ class InferenceService:
         timeout = timeout_s if timeout_s is not None else float(entry.get("timeout") or 30.0)
         result = await self.client.infer(name, arguments, timeout=timeout)
         flat, keys = kserve.flatten_outputs(result)
-        return entry.get("version") or "", kserve.name_outputs(flat, entry.get("outputs") or None, keys)
+        # Learned outputs are named as name_outputs names undeclared ones: only declared ones
+        # are held to their count (a model may return fewer than its warm-up did).
+        declared = entry.get("outputs") if entry.get("outputs_declared", True) else None
+        return entry.get("version") or "", kserve.name_outputs(flat, declared or None, keys)
 
 
 def _arguments(entry: dict, inputs: list[kserve.InferInput]) -> Any:
     """The model's positional arguments: in its declared order when it declares inputs (the
-    names must match), else in the request's order."""
-    declared = [spec["name"] for spec in entry.get("inputs") or []]
+    names must match), else in the request's order. BYTES inputs are str/bytes elements."""
+    specs = entry.get("inputs") or []
+    declared = [spec["name"] for spec in specs]
     if declared:
         given = {item.name: item.tensor for item in inputs}
         if sorted(given) != sorted(declared):
             raise kserve.bad_input(f"inputs must be named {declared}, got {[item.name for item in inputs]}")
-        tensors = [given[name] for name in declared]
+        # BYTES becomes str where the model declares str (UTF-8 checked here), else bytes
+        tensors = [kserve.as_declared(spec["name"], given[spec["name"]], spec.get("dtype"))
+                   for spec in specs]
     else:
         tensors = [item.tensor for item in inputs]
     return tensors[0] if len(tensors) == 1 else tensors

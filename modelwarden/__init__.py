@@ -1,14 +1,18 @@
 """modelwarden: serve PyTorch models from isolated, pinned, probed worker processes.
 
 The distribution installs one import name, this one. The source tree keeps the roles in
-top-level folders (``supervisor/``, ``worker/``, ``shared/``) that install as
-``modelwarden.supervisor``, ``modelwarden.worker`` and ``modelwarden.shared`` (see
-``pyproject.toml``), so no other distribution's ``supervisor`` or ``shared`` can collide with ours.
+top-level folders (``supervisor/``, ``worker/``, ``client/``, ``gateway/``, ``shared/``) that
+install as ``modelwarden.supervisor``, ``modelwarden.worker``, ... (see ``pyproject.toml``), so no
+other distribution's ``supervisor`` or ``shared`` can collide with ours.
 
 The client API::
 
     from modelwarden import Client
     with Client() as client:
+        y = client.infer("mlp", torch.randn(8, 64))
+
+    import modelwarden
+    with modelwarden.connect(["tcp://a:5555", "tcp://b:5555"]) as client:  # several daemons
         y = client.infer("mlp", torch.randn(8, 64))
 """
 
@@ -17,8 +21,11 @@ from modelwarden.shared import __version__
 # The client API is loaded on first use (PEP 562): the client needs torch, the supervisor does
 # not, and the daemon imports this package too (``python -m modelwarden``, ``modelwarden.*``).
 _EXPORTS = {
-    "Client": "modelwarden.shared.client", "AsyncClient": "modelwarden.shared.client",
-    "Reply": "modelwarden.shared.client",
+    "Client": "modelwarden.client.client", "AsyncClient": "modelwarden.client.client",
+    "Reply": "modelwarden.client.client",
+    "connect": "modelwarden.client.connect", "connect_async": "modelwarden.client.connect",
+    "MultiClient": "modelwarden.client.multiclient",
+    "AsyncMultiClient": "modelwarden.client.multiclient",
     **{name: "modelwarden.shared.errors" for name in (
         "RemoteError", "BadRequest", "BadInput", "UnknownModel", "NoWorker", "ModelError",
         "OutOfMemory", "WorkerDied", "Poison", "Timeout", "Overloaded", "ShuttingDown",

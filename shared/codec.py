@@ -17,14 +17,17 @@ reads replies too).
 
 from __future__ import annotations
 
+import struct
 import warnings
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
 
-from modelwarden.shared.descriptors import inline_desc, shm_desc
-from modelwarden.shared.protocol import DTYPES, TensorDesc
+from modelwarden.shared.descriptors import (ElementList, decode_elements, element_desc,
+                                            inline_desc, shm_desc)
+from modelwarden.shared.protocol import (DTYPES, ELEMENT_PREFIX, MAX_ELEMENT_BYTES, MAX_ELEMENTS,
+                                         TensorDesc)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -73,13 +76,110 @@ def _unsupported(value: Any) -> torch.Tensor:
                     "or lists/tuples/dicts of them")
 
 
+# -- str/bytes elements -------------------------------------------------------------------------
+
+
+class Elements(NamedTuple):
+    """One str/bytes leaf, already in its wire form: ``payload`` is every element's uint32 LE
+    byte length then its bytes, row-major (docs/PROTOCOL.md 5.8)."""
+
+    dtype: str  # "str" or "bytes"
+    shape: tuple[int, ...]
+    payload: Any  # bytes-like
+    longest: int
+    numpy: bool = False  # made from a numpy array: the reply's tensors then come as numpy too
+
+
+_PREFIX = struct.Struct("<I")
+
+
+def elements(dtype: str, shape: tuple[int, ...], flat: list, numpy: bool = False) -> Elements:
+    """The wire form of ``flat`` (str or bytes, row-major), checked against the protocol's
+    limits: TypeError when it cannot travel (too many elements or bytes, a str that is not
+    encodable as UTF-8)."""
+    if len(flat) > MAX_ELEMENTS:
+        raise TypeError(f"{len(flat)} str/bytes elements in one value; at most {MAX_ELEMENTS}")
+    if dtype == "str":
+        try:
+            flat = [item.encode("utf-8") for item in flat]
+        except UnicodeEncodeError as exc:
+            raise TypeError(f"a str element cannot be encoded as UTF-8 ({exc.reason})") from None
+    lengths = [len(item) for item in flat]
+    nbytes = ELEMENT_PREFIX * len(flat) + sum(lengths)
+    if nbytes > MAX_ELEMENT_BYTES:
+        raise TypeError(f"{nbytes} bytes of str/bytes elements in one value; at most "
+                        f"{MAX_ELEMENT_BYTES}")
+    parts = []
+    for item, length in zip(flat, lengths):
+        parts += (_PREFIX.pack(length), item)
+    return Elements(dtype, tuple(shape), b"".join(parts), max(lengths, default=0), numpy)
+
+
+def element_leaf(value: Any) -> Elements | None:
+    """``value`` as one str/bytes leaf, or None if it is not one: a str, a bytes, a non-empty
+    list/tuple of only str (or only bytes; equal-length lists nested in lists for more
+    dimensions), a numpy array of kind 'U' or 'S', or an object array of only str or bytes."""
+    if isinstance(value, Elements):
+        return value
+    if isinstance(value, (str, bytes)):
+        return elements("str" if isinstance(value, str) else "bytes", (), [value])
+    if isinstance(value, np.ndarray):
+        return _array_leaf(value)
+    if isinstance(value, (list, tuple)):
+        found = _nested_elements(value, 0)
+        if found is not None:
+            kind, shape, flat = found
+            return elements("str" if kind is str else "bytes", shape, flat)
+    return None
+
+
+def _array_leaf(array: np.ndarray) -> Elements | None:
+    # numpy's 'U' and 'S' drop trailing NULs (its own rule): what tolist() gives is what goes.
+    if array.dtype.kind not in "USO":
+        return None
+    flat = array.reshape(-1).tolist()
+    if array.dtype.kind == "O":
+        kinds = {type(item) for item in flat}
+        if kinds not in ({str}, {bytes}):
+            return None  # as_tensor refuses it with the usual message
+        return elements("str" if kinds == {str} else "bytes", array.shape, flat, True)
+    return elements("str" if array.dtype.kind == "U" else "bytes", array.shape, flat, True)
+
+
+def _nested_elements(value: list | tuple, depth: int) -> tuple[type, tuple, list] | None:
+    """(str or bytes, shape, row-major elements) of a rectangular nest, else None."""
+    if not value or depth > 32:
+        return None
+    first = value[0]
+    if isinstance(first, (str, bytes)):
+        kind = str if isinstance(first, str) else bytes
+        return (kind, (len(value),), list(value)) if all(
+            isinstance(item, kind) for item in value) else None
+    if not isinstance(first, list):
+        return None
+    rows = [_nested_elements(item, depth + 1) if isinstance(item, list) else None
+            for item in value]
+    if any(row is None for row in rows) or len({row[:2] for row in rows}) != 1:
+        return None
+    kind, shape = rows[0][0], rows[0][1]
+    return kind, (len(value), *shape), [item for row in rows for item in row[2]]
+
+
 def flatten(value: Any, leaves: list, depth: int = 0) -> Any:
-    """Append every tensor leaf of ``value`` to ``leaves``; return the TREE describing it."""
+    """Append every leaf of ``value`` to ``leaves``; return the TREE describing it. A leaf is a
+    tensor, a numpy array, or one str/bytes value (``element_leaf``), which becomes Elements."""
     if depth > 16:
         raise TypeError("value nests deeper than 16 levels")
-    if isinstance(value, (torch.Tensor, np.ndarray)):
+    if isinstance(value, (torch.Tensor, np.ndarray)) and not (
+            isinstance(value, np.ndarray) and value.dtype.kind in "USO"):
         leaves.append(value)
         return len(leaves) - 1
+    found = element_leaf(value)
+    if found is not None:
+        leaves.append(found)
+        return len(leaves) - 1
+    if isinstance(value, np.ndarray):  # an object array that holds something else
+        return _unsupported(value)
     if isinstance(value, list):
         return [flatten(item, leaves, depth + 1) for item in value]
     if isinstance(value, tuple):
@@ -136,6 +236,8 @@ def to_numpy(tensor: torch.Tensor) -> Any:
 def check_finite(tensors: list[torch.Tensor]) -> str | None:
     """A message naming the first tensor holding NaN or Inf, else None."""
     for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor):  # str/bytes elements
+            continue
         if (tensor.is_floating_point() or tensor.is_complex()) and tensor.numel():
             if not bool(torch.isfinite(tensor).all()):
                 return f"tensor {index} holds NaN or Inf"
@@ -147,7 +249,7 @@ def check_bool_bytes(tensors: list[torch.Tensor]) -> str | None:
     Such bytes make torch's bool kernels disagree with each other (``x == True`` vs ``x.any()``),
     so a model would see a value no real bool has."""
     for index, tensor in enumerate(tensors):
-        if tensor.dtype == torch.bool and tensor.numel() and int(tensor.view(torch.uint8).max()) > 1:
+        if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool and tensor.numel() and int(tensor.view(torch.uint8).max()) > 1:
             return f"tensor {index} is bool but holds a byte other than 0x00 or 0x01"
     return None
 
@@ -180,6 +282,9 @@ def encode_leaves(leaves: list, place: Placement) -> tuple[list[dict], list]:
     the outputs, say), in order."""
     descs, frames = [], []
     for leaf in leaves:
+        if isinstance(leaf, Elements):
+            descs.append(_encode_elements(leaf, place, frames))
+            continue
         tensor = as_tensor(leaf)
         dtype = dtype_name(tensor.dtype)
         nbytes = tensor.nbytes
@@ -192,6 +297,19 @@ def encode_leaves(leaves: list, place: Placement) -> tuple[list[dict], list]:
         descs.append(inline_desc(dtype, tensor.shape, len(frames)))
         frames.append(raw_bytes(tensor))  # the frame keeps the tensor alive until sent
     return descs, frames
+
+
+def _encode_elements(leaf: Elements, place: Placement, frames: list) -> dict:
+    """A str/bytes leaf's descriptor; its payload goes where ``place`` puts a uint8 tensor of
+    the same bytes (shared memory when large), else inline."""
+    nbytes = len(leaf.payload)
+    if nbytes:
+        raw = torch.from_numpy(np.frombuffer(leaf.payload, dtype=np.uint8))
+        region = place(raw, "uint8", nbytes)
+        if region is not None:
+            return element_desc(leaf.dtype, leaf.shape, nbytes, leaf.longest, region=region)
+    frames.append(leaf.payload)
+    return element_desc(leaf.dtype, leaf.shape, nbytes, leaf.longest, frame=len(frames) - 1)
 
 
 def inline_only(tensor: torch.Tensor, dtype: str, nbytes: int) -> None:
@@ -266,7 +384,11 @@ def reply_placement(sources: list, out: OutRegion | None, threshold: int) -> Pla
 # -- decoding a reply ---------------------------------------------------------------------------
 
 
-def frame_tensor(desc: TensorDesc, frames: list) -> torch.Tensor:
-    """The tensor of an inline descriptor, over its (checked) frame: no copy."""
+def frame_tensor(desc: TensorDesc, frames: list) -> Any:
+    """The tensor of an inline descriptor, over its (checked) frame: no copy. A str/bytes
+    descriptor gives its elements instead (a list nested per shape, the bare element for 0-d);
+    a payload that does not hold what it declares raises ProtocolError(BAD_REQUEST)."""
     frame = frames[desc.frame]
+    if desc.longest is not None:
+        return decode_elements(getattr(frame, "buffer", frame), desc)
     return from_bytes(getattr(frame, "buffer", frame), desc.dtype, desc.shape)

@@ -21,13 +21,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from modelwarden.shared.cpulist import format_cores
-from modelwarden.shared.protocol import DTYPES
+from modelwarden.shared.protocol import DTYPES, ELEMENT_TYPES
 from modelwarden.shared.rawconfig import (  # noqa: F401  (the names config's users import)
     ENV_CLIENT_KEY, ENV_CONFIG, ENV_ENDPOINT, ENV_PREFIX, ENV_SERVER_KEY, SYSTEM_RUNTIME_DIR,
     ConfigError, admin_endpoint, client_runtime_dir, config_path, control_endpoint,
     default_runtime_dir, raw_settings, read_toml, runtime_dir)
 
-SOURCE_SCHEMES = ("torchscript", "export", "python")
+SOURCE_SCHEMES = ("torchscript", "export", "python", "handler")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
                "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
@@ -49,7 +49,9 @@ class _Strict(BaseModel):
 
 
 class InputSpec(_Strict):
-    """One declared model input. ``-1`` in ``shape`` is a dynamic dimension (1 in warm-up)."""
+    """One declared model input. ``-1`` in ``shape`` is a dynamic dimension (1 in warm-up).
+    ``dtype`` is a tensor dtype, or "str" / "bytes" for variable-length elements (the model
+    gets lists of them)."""
 
     name: str = Field(min_length=1, max_length=128)
     dtype: str
@@ -58,8 +60,9 @@ class InputSpec(_Strict):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, value: str) -> str:
-        if value not in DTYPES:
-            raise ValueError(f"unknown dtype {value!r}; known: {', '.join(DTYPES)}")
+        if value not in DTYPES and value not in ELEMENT_TYPES:
+            raise ValueError(f"unknown dtype {value!r}; known: "
+                             f"{', '.join((*DTYPES, *ELEMENT_TYPES))}")
         return value
 
     @field_validator("shape")
@@ -97,10 +100,86 @@ class BatchingConfig(_Strict):
                               description="how long a partial batch may wait for more, under load")
     dim: int = Field(default=0, ge=0, le=31, description="the batch dimension of inputs and outputs")
     max_rows: int = Field(default=0, ge=0, description="cap on the summed batch dimension (0 = none)")
+    # Length buckets (docs/ARCHITECTURE.md "Length buckets"): requests whose varying length falls
+    # in one bucket share a batch, padded in the worker to the batch's longest member.
+    buckets: list[int] = Field(default_factory=list, max_length=64, description=(
+        "edges of the varying length, increasing; [] = no buckets"))
+    length_dim: int = Field(default=1, ge=0, le=31, description=(
+        "the varying dimension of the (preprocessed) tensors named in 'pad'"))
+    pad: dict[str, float] = Field(default_factory=dict, max_length=64, description=(
+        "the tensors padded along length_dim, by input name, and their pad values"))
+    mask: str | None = Field(default=None, min_length=1, max_length=128, description=(
+        "an attention mask input: padded with 0, or built (1 real, 0 pad) when absent"))
+    keep_length: list[str] = Field(default_factory=list, max_length=64, description=(
+        "outputs that keep the varying dimension: each member gets only its own length back"))
+    too_long: Literal["truncate", "refuse"] = "refuse"
+    bytes_per_token: float = Field(default=4.0, gt=0, le=1024, description=(
+        "text inputs: the supervisor keys a request by its longest element's bytes / this"))
 
     @property
     def enabled(self) -> bool:
         return self.max_size > 1
+
+    @property
+    def bucketed(self) -> bool:
+        return bool(self.buckets)
+
+    @model_validator(mode="after")
+    def _buckets(self) -> "BatchingConfig":
+        if any(edge < 1 for edge in self.buckets) or self.buckets != sorted(set(self.buckets)):
+            raise ValueError(f"buckets {self.buckets} must be positive and strictly increasing")
+        if self.buckets and not self.pad:
+            raise ValueError("buckets need 'pad': the inputs padded along length_dim")
+        if self.buckets and self.length_dim == self.dim:
+            raise ValueError(f"length_dim {self.length_dim} is the batch dimension")
+        if self.mask is not None and self.mask not in self.pad:
+            raise ValueError(f"mask {self.mask!r} must be one of the padded inputs in 'pad'")
+        return self
+
+
+PREPARE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class PrepareConfig(_Strict):
+    """``[models.prepare]``: steps applied to the loaded model before warm-up (worker/prepare.py).
+
+    A prepared model is held to its FP32 answers before it may go READY: the probe input is run
+    through the model as loaded, then through the prepared one, and every output must satisfy
+    ``|prepared - fp32| <= atol + rtol * |fp32|``. The defaults fit bfloat16."""
+
+    freeze: bool = Field(default=False, description=(
+        "TorchScript only: torch.jit.freeze, then torch.jit.optimize_for_inference"))
+    compile: bool | str = Field(default=False, description=(
+        "torch.compile; true = mode \"default\", or a mode such as \"reduce-overhead\""))
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(default="float32", description=(
+        "weights and floating inputs cast to it; floating outputs come back as float32"))
+    atol: float = Field(default=1e-2, ge=0)
+    rtol: float = Field(default=1e-2, ge=0)
+
+    @field_validator("compile")
+    @classmethod
+    def _mode(cls, value: bool | str) -> bool | str:
+        if isinstance(value, str) and not re.match(r"^[a-z][a-z-]{0,63}$", value):
+            raise ValueError(f"compile = {value!r}: true, false or a torch.compile mode "
+                             "(\"default\", \"reduce-overhead\", \"max-autotune-no-cudagraphs\"...)")
+        return value
+
+    @property
+    def compile_mode(self) -> str | None:
+        if self.compile is False:
+            return None
+        return "default" if self.compile is True else self.compile
+
+    @property
+    def steps(self) -> list[str]:
+        """The steps in the order they are applied: a cast first (frozen constants keep it),
+        freeze next, compile last (it traces what the others made)."""
+        steps = [f"dtype={self.dtype}"] if self.dtype != "float32" else []
+        if self.freeze:
+            steps.append("freeze")
+        if self.compile_mode is not None:
+            steps.append(f"compile(mode={self.compile_mode})")
+        return steps
 
 
 class ModelConfig(_Strict):
@@ -152,6 +231,7 @@ class ModelConfig(_Strict):
     max_requests: int | None = Field(default=None, ge=1)
     max_requests_jitter: int = Field(default=0, ge=0)
     probe: ProbeConfig = Field(default_factory=ProbeConfig)
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
 
     @field_validator("max_rss", "max_cuda_memory", mode="before")
     @classmethod
@@ -164,9 +244,10 @@ class ModelConfig(_Strict):
         scheme, sep, rest = value.partition(":")
         if not sep or scheme not in SOURCE_SCHEMES or not rest:
             raise ValueError(f"unknown source scheme in {value!r}; use torchscript:PATH, "
-                             "export:PATH or python:module:callable")
-        if scheme == "python" and not re.match(r"^[\w.]+:[\w.]+$", rest):
-            raise ValueError(f"python source must be python:module:callable, got {value!r}")
+                             "export:PATH, python:module:callable or handler:module:Class")
+        if scheme in ("python", "handler") and not re.match(r"^[\w.]+:[\w.]+$", rest):
+            what = "callable" if scheme == "python" else "Class"
+            raise ValueError(f"{scheme} source must be {scheme}:module:{what}, got {value!r}")
         return value
 
     @field_validator("device")
@@ -192,9 +273,20 @@ class ModelConfig(_Strict):
             raise ValueError("weights = \"mmap\" needs a weights_file to map")
         if self.weights_file is not None and self.source.startswith("torchscript:"):
             raise ValueError("weights_file needs a python: or export: source (an nn.Module)")
+        if self.source.startswith("handler:") and self.weights_file is not None:
+            raise ValueError("weights_file needs a python: or export: source; a handler loads "
+                             "its own weights in load()")
+        if (self.source.startswith("handler:") and self.probe.input is None
+                and (self.warmup > 0 or self.probe.interval > 0)):
+            raise ValueError("a handler's warm-up and probe need 'probe.input': a request's "
+                             "inputs as the client sends them (a .json file), or set warmup = 0 "
+                             "and probe.interval = 0")
         if self.warmup > 0 and not self.inputs and self.probe.input is None:
             raise ValueError("warm-up needs an example input: declare 'inputs' or 'probe.input' "
                              "(or set warmup = 0)")
+        if self.prepare.steps and not self.inputs and self.probe.input is None:
+            raise ValueError("prepare holds the prepared model to its FP32 answers on the probe "
+                             "input: declare 'inputs' or 'probe.input'")
         return self
 
     @property
@@ -231,8 +323,8 @@ class DaemonConfig(_Strict):
     max_request_bytes: int = Field(default=2 * 1024**3, ge=1)
     max_unread_bytes_per_connection: int = Field(default=64 * 1024**2, ge=1)
     max_unread_bytes: int = Field(default=1024**3, ge=1)
-    # Shares per identity (supervisor/quotas.py; None: the default share of the daemon-wide cap)
-    # and the bytes shared memory may make the daemon commit (supervisor/buffers.py).
+    # Shares per identity (supervisor/routing/quotas.py; None: the default share of the daemon-wide cap)
+    # and the bytes shared memory may make the daemon commit (supervisor/routing/buffers.py).
     max_connections_per_identity: int | None = Field(default=None, ge=1)
     max_buffers_per_identity: int | None = Field(default=None, ge=1)
     max_buffer_bytes: int | None = Field(default=None, ge=1, description=(
@@ -243,7 +335,7 @@ class DaemonConfig(_Strict):
     max_shm_tensor_bytes: int = Field(default=1024**3, ge=1)
     max_shm_request_bytes: int = Field(default=2 * 1024**3, ge=1)
     graceful_timeout: float = Field(default=30.0, ge=0)
-    fatal_exits: bool = False  # exit with supervisor.health.EXIT_MODEL_FATAL when a model is all FATAL
+    fatal_exits: bool = False  # exit with shared.states.EXIT_MODEL_FATAL when a model is all FATAL
     heartbeat_interval: float = Field(default=0.5, gt=0)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     log_format: Literal["text", "json"] = "text"
@@ -567,7 +659,7 @@ class WorkerSpec:
     max_mapped_bytes: int | None = None  # client buffers it may map in all (max_buffer_bytes)
     log_level: str = "INFO"
     log_format: str = "text"
-    version: str = ""  # the model's version (supervisor/versions.py); in every reply header
+    version: str = ""  # the model's version (supervisor/fleet/versions.py); in every reply header
     standby: int | None = None  # a standby's serial number until it is promoted (then None)
     # Fresh random bytes for every incarnation (supervisor.workerauth): the routing id cannot be
     # guessed and the secret proves the sender is the process we spawned. Both travel only in

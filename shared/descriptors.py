@@ -19,11 +19,12 @@ worker's), never the reader's, and it never raises anything else (no KeyError, n
 
 from __future__ import annotations
 
+import struct
 from typing import Any, NamedTuple
 
-from modelwarden.shared.protocol import (INTERNAL, MAX_NAME_BYTES, ProtocolError, TensorDesc,
-                                         check_tree, frame_lengths_match, parse_tensors,
-                                         request_id_of)
+from modelwarden.shared.protocol import (BAD_REQUEST, ELEMENT_PREFIX, INTERNAL, MAX_NAME_BYTES,
+                                         ProtocolError, TensorDesc, check_tree,
+                                         frame_lengths_match, parse_tensors, request_id_of)
 
 MAX_ERROR_CODE_BYTES = 64
 
@@ -41,11 +42,111 @@ def shm_desc(dtype: str, shape, region: tuple[str, int, int]) -> dict:
     return {"dtype": dtype, "shape": list(shape), "shm": list(region)}
 
 
+def element_desc(dtype: str, shape, nbytes: int, longest: int, frame: int | None = None,
+                 region: tuple[str, int, int] | None = None) -> dict:
+    """A str/bytes descriptor: inline as payload frame ``frame``, or in ``region``."""
+    desc = {"dtype": dtype, "shape": list(shape), "nbytes": nbytes, "longest": longest}
+    if region is not None:
+        desc["shm"] = list(region)
+    else:
+        desc["frame"] = frame
+    return desc
+
+
 def wire_desc(desc: TensorDesc) -> dict:
     """The wire form of a checked descriptor (what a relay or a test sends on)."""
+    if desc.longest is not None:
+        return element_desc(desc.dtype, desc.shape, desc.nbytes, desc.longest, desc.frame,
+                            desc.shm)
     if desc.shm is not None:
         return shm_desc(desc.dtype, desc.shape, desc.shm)
     return inline_desc(desc.dtype, desc.shape, desc.frame)
+
+
+# -- str/bytes elements -------------------------------------------------------------------------
+
+_PREFIX = struct.Struct("<I")
+
+
+def decode_elements(buffer: Any, desc: TensorDesc) -> Any:
+    """The str/bytes elements of a checked descriptor's payload ``buffer`` (a frame's
+    memoryview or a uint8 array over shared memory), nested per its shape (a 0-d shape gives
+    the bare element). Strict, element by element: every length prefix and element inside the
+    payload, no trailing bytes, the count and the longest element as declared, UTF-8 valid for
+    str. Any failure is ProtocolError(BAD_REQUEST) naming the element."""
+    count = 1
+    for dim in desc.shape:
+        count *= dim
+    items, longest = split_elements(buffer, count, desc.dtype == "str")
+    if longest != desc.longest:
+        raise _element_error(f"declares 'longest' {desc.longest}, but its longest element "
+                             f"holds {longest} bytes")
+    return _nest(items, desc.shape, desc.dtype)
+
+
+def split_elements(buffer: Any, count: int, text: bool) -> tuple[list, int]:
+    """(the ``count`` elements of a length-prefixed payload, flat, as str when ``text`` else as
+    bytes; the longest one's byte length). ProtocolError(BAD_REQUEST) naming the element when
+    a prefix or an element lies past the end, a str is not UTF-8, or bytes are left over."""
+    view = memoryview(buffer).cast("B")
+    items, end, longest = _split_elements(view, count, text)
+    if end != len(view):
+        raise _element_error(f"{len(view) - end} bytes after the last of its {count} elements")
+    return items, longest
+
+
+def _split_elements(view: memoryview, count: int, text: bool) -> tuple[list, int, int]:
+    """(the elements, where the last one ends, the longest one's byte length)."""
+    items, offset, size, longest = [], 0, len(view), 0
+    for index in range(count):
+        if offset + ELEMENT_PREFIX > size:
+            raise _element_error(f"element {index}: its length prefix lies past the end of the "
+                                 f"payload ({size} bytes; {count} elements declared)")
+        (length,) = _PREFIX.unpack_from(view, offset)
+        start, offset = offset + ELEMENT_PREFIX, offset + ELEMENT_PREFIX + length
+        if offset > size:
+            raise _element_error(f"element {index}: {length} bytes from byte {start} run past "
+                                 f"the end of the payload ({size} bytes)")
+        longest = max(longest, length)
+        items.append(_text(view[start:offset], index) if text else bytes(view[start:offset]))
+    return items, offset, longest
+
+
+def _text(data: memoryview, index: int) -> str:
+    try:
+        return str(data, "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _element_error(f"element {index} is not valid UTF-8 (byte {exc.start}: "
+                             f"{exc.reason})") from None
+
+
+def _element_error(message: str) -> ProtocolError:
+    return ProtocolError(BAD_REQUEST, f"str/bytes payload: {message}")
+
+
+class ElementList(list):
+    """A decoded str/bytes payload of one or more dimensions: a plain (nested) list that also
+    says what it was on the wire, so a relay (the gateway) keeps an empty dimension's shape."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, items: list, dtype: str, shape: tuple[int, ...]) -> None:
+        super().__init__(items)
+        self.dtype = dtype
+        self.shape = shape
+
+
+def _nest(flat: list, shape: tuple[int, ...], dtype: str | None = None) -> Any:
+    """A row-major flat list as nested lists of ``shape``; the bare element for 0-d. The
+    outermost list is an ElementList when ``dtype`` is given."""
+    if not shape:
+        return flat[0]
+    if dtype is not None:
+        return ElementList(_nest(flat, shape), dtype, shape)
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nest(flat[row * step:(row + 1) * step], shape[1:]) for row in range(shape[0])]
 
 
 # -- reading ------------------------------------------------------------------------------------

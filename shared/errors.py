@@ -7,6 +7,11 @@ from typing import Any
 from modelwarden.shared import protocol
 
 
+class NoDaemon(ConnectionError):
+    """Nothing at an endpoint's path or runtime directory: no daemon runs there. Raised on the
+    client's side before anything is sent (client/ipcaccess.py, shared/trustdir.py)."""
+
+
 class RemoteError(Exception):
     """A request failed; ``code`` is one of shared.protocol.ERROR_CODES."""
 

@@ -35,7 +35,7 @@ Errors use the main protocol's shape and codes::
 Closing the connection revokes every token it registered: the daemon closes its descriptors and
 tells its workers to forget them. Descriptors received with a refused message are closed at once.
 Limits: MAX_FDS_PER_MESSAGE per message, a per-connection and a daemon-wide buffer count
-(``supervisor/buffers.py``); exceeding one is BAD_REQUEST. A message cut short (MSG_TRUNC) or
+(``supervisor/routing/buffers.py``); exceeding one is BAD_REQUEST. A message cut short (MSG_TRUNC) or
 whose descriptors did not fit (MSG_CTRUNC) is refused.
 
 Using a buffer
@@ -67,6 +67,13 @@ MAX_FDS_PER_MESSAGE = 64
 _FD_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
 _UNPACK = dict(max_str_len=MAX_MESSAGE_BYTES, max_bin_len=0, max_array_len=4096,
                max_map_len=64, max_ext_len=0, raw=False, strict_map_key=True)
+
+
+# Message types on the buffer channels: a client's on ``buffers.sock``, the supervisor's to a
+# worker on the worker's buffer socket (worker/segments.py).
+REGISTER = "register"      # client -> supervisor, with descriptors: honour these buffers
+UNREGISTER = "unregister"  # client -> supervisor: forget these tokens
+HAND_OVER = "buffers"      # supervisor -> worker, with descriptors: the buffers a request needs
 
 
 class ChannelClosed(ConnectionError):
@@ -128,7 +135,7 @@ def reply(request_id: Any, **fields: Any) -> dict:
     return {"id": request_id, "ok": True, **fields}
 
 
-class BufferChannel:
+class BufferChannelClient:
     """The client's end: one connection per client, shared by its threads under a lock.
 
     ``register`` waits for its answer (it is rare: once per new buffer); ``unregister`` does not
@@ -165,7 +172,7 @@ class BufferChannel:
                 self.connect()
             for start in range(0, len(fds), MAX_FDS_PER_MESSAGE):
                 batch = fds[start:start + MAX_FDS_PER_MESSAGE]
-                answer = self._call({"type": "register"}, batch)
+                answer = self._call({"type": REGISTER}, batch)
                 got = answer.get("tokens")
                 if not isinstance(got, list) or len(got) != len(batch):
                     raise ChannelClosed("the daemon answered register without tokens")
@@ -181,7 +188,7 @@ class BufferChannel:
                 step = protocol.MAX_BUFFERS_PER_MESSAGE
                 for start in range(0, len(tokens), step):
                     self._ids += 1
-                    send_message(self._sock, {"type": "unregister", "id": self._ids,
+                    send_message(self._sock, {"type": UNREGISTER, "id": self._ids,
                                               "tokens": tokens[start:start + step]})
             except (OSError, ProtocolError):
                 self.close()  # the daemon is gone: so are the tokens

@@ -1,85 +1,11 @@
 """modelwarden wire protocol, version 1.
 
-This docstring is the specification; ``docs/PROTOCOL.md`` repeats it with worked examples.
-The module imports nothing else of ours, so any client may vendor it.
-
-Transport
-=========
-ZeroMQ. The daemon binds a ROUTER socket on each *frontend* endpoint (``ipc://`` or ``tcp://``)
-and another on the *control* endpoint. A client connects a DEALER (many requests in flight) or a
-REQ socket (one at a time). Every message is a multipart message::
-
-    [ "" ]          optional empty delimiter frame; REQ sockets add it. A reply mirrors it.
-    "MWP1"          signature: protocol name and version (4 bytes, ASCII)
-    header          one msgpack map (see below), at most MAX_HEADER_BYTES
-    payload 0..n-1  raw tensor bytes, one frame per *inline* tensor, in descriptor order
-
-The ROUTER adds (and strips) the peer's routing id in front; a client never sees it.
-
-Header of a request
-===================
-Every request header has ``type`` (str) and ``id`` (int or str of at most 128 bytes, chosen by
-the client, echoed in the reply; a client drops replies whose id it no longer waits for).
-
-``infer``: run a model::
-
-    {"type": "infer", "id": 7, "model": "mlp",
-     "inputs": TREE, "tensors": [DESC, ...],
-     "timeout_ms": 5000,                 # optional; the model's default otherwise
-     "out": [TOKEN, 0, 1048576]}         # optional shared-memory region for outputs
-
-``hello``: ask what the daemon offers (protocol version, models, shared memory: whether it is
-enabled, the size threshold, and ``channel``, the path of the buffer channel).
-
-On the control endpoint: ``status``. On the admin endpoint also ``restart`` (``{"target":
-"mlp"}`` or a worker id), ``reload``, ``scale`` (``{"model": "mlp", "workers": 3}``) and ``stop``
-(the daemon, or with a ``target`` a model's or a worker's workers).
-
-Tensors
-=======
-TREE says how tensors nest: an int ``i`` is ``tensors[i]``; an array is a list; ``{"tuple":
-[...]}`` is a tuple; ``{"dict": {"name": TREE}}`` is a dict of named tensors. At most
-MAX_TREE_DEPTH levels and MAX_TENSORS tensors. Every tensor is used exactly once.
-
-DESC describes one tensor; exactly one of ``frame`` and ``shm`` is present::
-
-    {"dtype": "float32", "shape": [2, 64], "frame": 0}
-    {"dtype": "float32", "shape": [4096, 4096], "shm": [TOKEN, OFFSET, NBYTES]}
-
-``dtype`` is a key of DTYPES. ``shape`` lists non-negative ints (``[]`` is a 0-d scalar). Bytes
-are C-contiguous, little-endian; bool is one byte 0/1; bfloat16 is the upper half of a float32.
-An inline tensor's frame holds exactly ``prod(shape) * itemsize`` bytes; the inline descriptors
-number their frames 0, 1, 2... in order. A shared-memory tensor lies at ``OFFSET`` in the
-buffer that ``TOKEN`` names, and ``NBYTES`` equals ``prod(shape) * itemsize``.
-
-Shared memory
-=============
-Only on ``ipc://`` frontends. A buffer is a sealed memfd the client registered on the buffer
-channel (``shared/fdchannel.py`` specifies it); the channel answered a TOKEN (32 lowercase hex
-digits) for it. A token is a capability: any connection presenting it may use the buffer, while
-the channel connection that registered it stays open. Regions are checked against the buffer's
-size before any worker sees them. The worker maps the buffer, reads inputs in place and writes
-outputs once: into the request's ``out`` region when they fit, otherwise inline. An output that
-*is* (a view of) an input comes back as a descriptor into that input's region, as it would be
-in-process.
-
-Reply
-=====
-Success::
-
-    {"id": 7, "ok": true, "outputs": TREE, "tensors": [DESC, ...], "worker": "mlp#1",
-     "version": "3f9a1c0b7e2d", "timing": {"queue_us": 12, "compute_us": 230, "total_us": 410}}
-
-Failure (no payload frames)::
-
-    {"id": 7, "ok": false, "error": {"code": "BAD_INPUT", "message": "..."}}
-
-An error may carry ``"detail"``: ``"buffer_not_registered"`` means a descriptor named a token the
-daemon does not know, or no longer honours (its channel connection closed, for instance because
-the daemon restarted): register the buffers again on a new channel connection and resend.
-
-``id`` is null when the request's header could not be read. Every accepted request gets
-exactly one reply. Error codes are ERROR_CODES below.
+docs/PROTOCOL.md is the specification, the only one: the frames, the header of every message on
+the frontend, control and admin sockets and on the buffer channel, the tensor encoding, replies,
+error codes and limits, with worked examples; its Appendix A has the internal messages between
+the supervisor and its workers. This module holds what both ends must agree on, as constants and
+parsers that never assert (``ProtocolError(code, message, detail)``): message types, error codes,
+dtypes, limits, header parsing. It imports nothing else of ours, so any client may vendor it.
 """
 
 from __future__ import annotations
@@ -140,6 +66,10 @@ DTYPES: dict[str, int] = {
     "complex64": 8,
     "complex128": 16,
 }
+# Variable-length element types beside the fixed dtypes: a payload of uint32 little-endian
+# length prefixes, each followed by its element's bytes (KServe's binary BYTES form); "str"
+# elements must be valid UTF-8. Their descriptors carry "nbytes" and "longest" (section 5.8).
+ELEMENT_TYPES: tuple[str, ...] = ("str", "bytes")
 
 # -- limits: every bound a hostile peer could push on -------------------------------------------
 MAX_HEADER_BYTES = 256 * 1024
@@ -151,6 +81,9 @@ MAX_TREE_DEPTH = 16
 MAX_BUFFERS_PER_MESSAGE = 256
 MAX_TENSOR_BYTES = 1 << 48  # no machine has this much memory; keeps all arithmetic small
 MAX_INT = (1 << 63) - 1
+MAX_ELEMENTS = 65536  # str/bytes elements in one descriptor
+MAX_ELEMENT_BYTES = 64 << 20  # a str/bytes payload, prefixes included
+ELEMENT_PREFIX = 4  # bytes of each element's length prefix
 
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -200,6 +133,13 @@ class ProtocolError(Exception):
 
 def bad(message: str) -> ProtocolError:
     return ProtocolError(BAD_REQUEST, message)
+
+
+# -- frontend message types ---------------------------------------------------------------------
+# A client's requests on a frontend (docs/PROTOCOL.md). The control and admin sockets' commands
+# ("status", "stop", ...) are named by supervisor/commands.py, which holds both halves of each.
+INFER = "infer"         # client -> supervisor: one inference request
+CLIENT_HELLO = "hello"  # client -> supervisor: what do you serve (the offer: models, shm, channel)
 
 
 # -- backend message types ----------------------------------------------------------------------
@@ -282,6 +222,19 @@ def reply_route(frames: list) -> list:
     return frames[:2] if len(frames) > 1 and len(frames[1]) == 0 else frames[:1]
 
 
+def split_reply(frames: list) -> tuple[dict, list]:
+    """A reply as a DEALER receives it (an empty delimiter first, or not): its header and its
+    payload frames. The one splitter for every client of the daemon: frames are zmq.Frames
+    (``copy=False``) or bytes. InternalError when they are not a modelwarden reply."""
+    start = 1 if frames and len(frames[0]) == 0 else 0
+    if len(frames) < start + 2 or bytes(frames[start]) != SIGNATURE:
+        from modelwarden.shared.errors import InternalError  # errors imports this module
+
+        raise InternalError("malformed reply from the daemon")
+    header = frames[start + 1]
+    return unpack_header(getattr(header, "buffer", header), strict=False), frames[start + 2:]
+
+
 def error_header(request_id: Any, code: str, message: str, detail: str | None = None) -> dict:
     error = {"code": code, "message": message}
     if detail is not None:
@@ -337,6 +290,7 @@ class TensorDesc(NamedTuple):
     nbytes: int
     frame: int | None = None
     shm: tuple[str, int, int] | None = None  # (token, offset, nbytes)
+    longest: int | None = None  # str/bytes: the longest element's bytes; None for fixed dtypes
 
 
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
@@ -386,21 +340,62 @@ def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
     if not isinstance(value, dict):
         raise bad(f"{what}: descriptor must be a map")
     dtype = value.get("dtype")
-    if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise bad(f"{what}: unknown dtype {str(dtype)[:32]!r}; known: {', '.join(DTYPES)}")
+    if not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in ELEMENT_TYPES):
+        raise bad(f"{what}: unknown dtype {str(dtype)[:32]!r}; known: "
+                  f"{', '.join((*DTYPES, *ELEMENT_TYPES))}")
     shape = parse_shape(value.get("shape"), what)
-    nbytes = tensor_nbytes(dtype, shape)
+    longest = None
+    if dtype in ELEMENT_TYPES:
+        nbytes, longest = element_sizes(value, shape, what)
+    else:
+        nbytes = tensor_nbytes(dtype, shape)
     has_frame, has_shm = "frame" in value, "shm" in value
     if has_frame == has_shm:
         raise bad(f"{what}: exactly one of 'frame' and 'shm' is required")
     if has_frame:
         if value["frame"] != next_frame or not _is_int(value["frame"]):
             raise bad(f"{what}: inline tensors must number their frames 0, 1, 2... in order")
-        return TensorDesc(dtype, shape, nbytes, frame=next_frame)
+        return TensorDesc(dtype, shape, nbytes, frame=next_frame, longest=longest)
     region = parse_region(value["shm"], what)
     if region[2] != nbytes:
-        raise bad(f"{what}: region holds {region[2]} bytes but dtype x shape needs {nbytes}")
-    return TensorDesc(dtype, shape, nbytes, shm=region)
+        raise bad(f"{what}: region holds {region[2]} bytes but {_needs(dtype)} needs {nbytes}")
+    return TensorDesc(dtype, shape, nbytes, shm=region, longest=longest)
+
+
+def _needs(dtype: str) -> str:
+    return "its 'nbytes'" if dtype in ELEMENT_TYPES else "dtype x shape"
+
+
+def element_count(shape: tuple[int, ...], what: str) -> int:
+    """prod(shape) of a str/bytes descriptor, refused past MAX_ELEMENTS at every step (a zero
+    dimension counted as one, as for tensors: the product stays small however it is ordered)."""
+    count, extent = 1, 1
+    for dim in shape:
+        count *= dim
+        extent *= dim or 1
+        if extent > MAX_ELEMENTS:
+            raise bad(f"{what}: shape {list(shape)} holds more than {MAX_ELEMENTS} str/bytes "
+                      "elements")
+    return count
+
+
+def element_sizes(value: dict, shape: tuple[int, ...], what: str) -> tuple[int, int]:
+    """(nbytes, longest) of a str/bytes descriptor, checked from the header alone: every
+    element needs its 4-byte prefix, the payload stays under MAX_ELEMENT_BYTES, and the longest
+    element fits in what the prefixes leave."""
+    count = element_count(shape, what)
+    nbytes = require_uint(value.get("nbytes"), f"{what}: 'nbytes'")
+    longest = require_uint(value.get("longest"), f"{what}: 'longest'")
+    if nbytes > MAX_ELEMENT_BYTES:
+        raise bad(f"{what}: {nbytes} bytes of str/bytes elements exceed {MAX_ELEMENT_BYTES}")
+    prefixes = ELEMENT_PREFIX * count
+    if nbytes < prefixes:
+        raise bad(f"{what}: {count} elements need at least {prefixes} bytes of length "
+                  f"prefixes, 'nbytes' says {nbytes}")
+    if longest > nbytes - prefixes:
+        raise bad(f"{what}: 'longest' {longest} is more than the {nbytes - prefixes} bytes "
+                  "the elements hold")
+    return nbytes, longest
 
 
 def parse_tensors(value: Any) -> list[TensorDesc]:
@@ -488,4 +483,5 @@ def frame_lengths_match(tensors: list[TensorDesc], payload: list) -> None:
             raise bad(
                 f"frame {desc.frame} holds {len(payload[desc.frame])} bytes but "
                 f"{desc.dtype}{list(desc.shape)} needs {desc.nbytes}"
+                + (" (its 'nbytes')" if desc.longest is not None else "")
             )

@@ -147,6 +147,29 @@ def runtime_dir(configured: str | Path | None, base_dir: Path) -> Path:
     return path if path.is_absolute() else base_dir / path
 
 
+def frontend_endpoints(path: str | Path | None = None) -> list[str]:
+    """The frontends a client may use, read as ``command_endpoint`` reads its socket: without
+    validating the whole file (that is the daemon's business, ``shared/config.py``), so a client
+    loads the standard library only. ``[daemon] frontend``, else the runtime directory's default
+    ipc frontend; [] when the file or its ``[daemon]`` table cannot be used."""
+    resolved = config_path(path)
+    try:
+        daemon = raw_settings(resolved).get("daemon", {})
+    except ConfigError:
+        return []
+    if not isinstance(daemon, dict):
+        return []
+    frontend = daemon.get("frontend")
+    if frontend is not None:
+        usable = isinstance(frontend, list) and all(isinstance(item, str) for item in frontend)
+        return list(frontend) if usable else []
+    configured = daemon.get("runtime_dir")
+    if configured is not None and not isinstance(configured, str):
+        return []
+    runtime = runtime_dir(configured, resolved.parent if resolved else Path.cwd())
+    return [f"ipc://{runtime}/frontend.sock"]
+
+
 def control_endpoint(runtime: Path, configured: str | None) -> str:
     return configured or f"ipc://{runtime}/control.sock"
 

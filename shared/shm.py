@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from modelwarden.shared.fdchannel import BufferChannel, ChannelClosed
+from modelwarden.shared.fdchannel import BufferChannelClient, ChannelClosed
 
 ALIGN = 64  # cache-line alignment for every region we hand out
 MIN_SEGMENT = 64 * 1024
@@ -159,7 +159,7 @@ class ShmArena:
     Each new buffer is registered on ``channel`` at once; ``renew`` registers them all again.
     """
 
-    def __init__(self, channel: BufferChannel | None = None) -> None:
+    def __init__(self, channel: BufferChannelClient | None = None) -> None:
         self.channel = channel
         self._lock = threading.Lock()
         self._free: dict[int, list[Region]] = collections.defaultdict(list)

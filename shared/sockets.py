@@ -11,6 +11,7 @@ from __future__ import annotations
 import zmq
 
 _SNDMORE = int(zmq.SNDMORE)
+_NOBLOCK = int(zmq.NOBLOCK)
 
 
 def send_parts(socket: zmq.Socket, parts: list) -> None:
@@ -20,6 +21,23 @@ def send_parts(socket: zmq.Socket, parts: list) -> None:
     send = socket.send
     for index, part in enumerate(parts):
         send(part, _SNDMORE if index < last else 0, copy=False)
+
+
+def send_queued(socket: zmq.Socket, parts: list) -> bool:
+    """Queue a multipart message on a socket without a send high-water mark; False, with nothing
+    queued, when the socket has no peer to queue for. A connected DEALER keeps its pipe across
+    reconnects, so that happens only once libzmq has given the connection up for good (after a
+    handshake the peer refused: see client/connection.py). Once the first part is accepted the
+    rest of the message always is (ZeroMQ queues a message whole)."""
+    last = len(parts) - 1
+    send = socket.send
+    try:
+        send(parts[0], (_SNDMORE if last else 0) | _NOBLOCK, copy=False)
+    except zmq.Again:
+        return False
+    for index in range(1, last + 1):
+        send(parts[index], _SNDMORE if index < last else 0, copy=False)
+    return True
 
 
 def recv_parts(socket: zmq.Socket, flags: int = 0) -> list:

@@ -1,9 +1,9 @@
-"""Two state machines, each an enum with its table of legal transitions, and worker exit codes.
+"""Two state machines, each an enum with its table of legal transitions, and every exit code.
 
 A **worker** (``WorkerState``) is one process, one incarnation: it walks STARTING -> LOADING ->
 WARMING -> READY -> DRAINING -> STOPPED, and any live state may end in DEAD. STOPPED and DEAD are
 final: a process is never restarted, a new incarnation is a new worker. A *standby* worker
-(``standby = N``, supervisor/standby.py) stops after warm-up in STANDBY, holding no slot; it goes
+(``standby = N``, supervisor/fleet/standby.py) stops after warm-up in STANDBY, holding no slot; it goes
 READY only when promoted into a slot.
 
 A **slot** (``SlotState``) is a place for one worker (fixed cores/device) that outlives its
@@ -111,12 +111,31 @@ def check_transition(current: WorkerState | SlotState, new: WorkerState | SlotSt
         raise IllegalTransition(f"{current.value} -> {new.value} is not a legal transition")
 
 
-# Worker exit codes: a contract between the worker and the supervisor's restart policy.
+# -- exit codes: one table for every process of ours ------------------------------------------
+# Three processes exit, and each code means something only for its own process: a worker's 4 (its
+# model did not load) and the daemon's 4 (a model is all FATAL) are read by different readers
+# (the supervisor's restart policy; systemd and the operator).
+#
+#   process              code  name                 meaning
+#   worker, gateway      0     EXIT_OK              clean
+#   worker, gateway      3     EXIT_BOOT_ERROR      placement or environment failed
+#   worker               4     EXIT_LOAD_ERROR      the model failed to load
+#   worker               5     EXIT_WARMUP_ERROR    the model loaded but failed during warm-up
+#   worker, gateway      6     EXIT_ORPHANED        the supervisor went away; it left on its own
+#   worker               7     EXIT_PREPARE_ERROR   a prepare step failed, or missed the FP32 answers
+#   daemon (serve)       1     EXIT_RUNTIME         cannot run: runtime directory, lock, endpoint
+#   daemon, CLI          2     EXIT_CONFIG          a user mistake: bad config, input or output
+#   daemon (serve)       4     EXIT_MODEL_FATAL     a model has every slot FATAL, fatal_exits on
+#   status               0/1/3 EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE
+#   stop, restart        1/2   EXIT_FAILED, EXIT_REFUSED (the daemon said no to a bad request)
+#
+# Worker exit codes are a contract between the worker and the supervisor's restart policy.
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3  # placement failed: bad cores, absent device, bad environment
 EXIT_LOAD_ERROR = 4  # the model failed to load
 EXIT_WARMUP_ERROR = 5  # the model loaded but failed during warm-up
 EXIT_ORPHANED = 6  # the supervisor went away; the worker left on its own
+EXIT_PREPARE_ERROR = 7  # a prepare step (freeze, compile, dtype) failed or missed its FP32 answers
 
 EXIT_NAMES = {
     EXIT_OK: "exit 0 (clean)",
@@ -124,7 +143,16 @@ EXIT_NAMES = {
     EXIT_LOAD_ERROR: "exit 4 (model load error)",
     EXIT_WARMUP_ERROR: "exit 5 (warm-up error)",
     EXIT_ORPHANED: "exit 6 (orphaned)",
+    EXIT_PREPARE_ERROR: "exit 7 (prepare error)",
 }
 
+# The daemon's and the command line's (``modelwarden ...``). 1 and 2 are start-up failures
+# (runtime, configuration), which systemd's RestartPreventExitStatus= may stop.
+EXIT_RUNTIME = 1
+EXIT_CONFIG = 2
+EXIT_MODEL_FATAL = 4
+EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 3  # modelwarden status
+EXIT_FAILED, EXIT_REFUSED = 1, 2  # modelwarden stop / restart / reload
+
 # Exits that will fail the same way again: back off at once, whatever the uptime.
-STARTUP_FAILURES = frozenset({EXIT_BOOT_ERROR, EXIT_LOAD_ERROR, EXIT_WARMUP_ERROR})
+STARTUP_FAILURES = frozenset({EXIT_BOOT_ERROR, EXIT_LOAD_ERROR, EXIT_WARMUP_ERROR, EXIT_PREPARE_ERROR})

@@ -6,7 +6,7 @@ the parent's ``sys.path`` into every worker: started from a directory another us
 a module planted there under the configured module's name would run in the worker, as the
 daemon's user. So the supervisor computes the path once (``worker_path``) for the worker
 (worker/main.py sets ``sys.path`` to exactly it before anything is imported by name) and for the
-model versions (supervisor/versions.py looks for the factory's file on the same path). A
+model versions (supervisor/fleet/versions.py looks for the factory's file on the same path). A
 directory the operator wants, the working directory included, goes in ``python_path``.
 """
 

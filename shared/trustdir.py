@@ -13,14 +13,14 @@ supervisor/runtime.py makes:
   whoever root made it for (systemd's ``RuntimeDirectory=`` for the ``modelwarden`` user);
   ``private/`` below it likewise, mode 0700;
 * each socket it will use there: a real socket, mode 0600 or 0660 (0000 for the instant the
-  daemon pauses or resumes it, supervisor/connections.py), owned by the directory's owner or
+  daemon pauses or resumes it, supervisor/routing/connections.py), owned by the directory's owner or
   root: nobody else can create an entry in such a directory.
 
 Anything else raises UntrustedRuntimeDir (a PermissionError): one line naming the path, its
 owner and what is wrong. Nothing falls back to another directory. A directory that does not
 exist raises NoDaemon: a connection left waiting on a path there would reach whoever creates
 it first. What this user cannot see (a directory it may not search) is not judged here: the
-connection's own check (shared/ipcaccess.py) says who may reach it.
+connection's own check (client/ipcaccess.py) says who may reach it.
 
 The checks use only the standard library (``modelwarden status`` stays light).
 """
@@ -32,7 +32,7 @@ import pwd
 import stat
 from pathlib import Path
 
-from modelwarden.shared.ipcaccess import NoDaemon
+from modelwarden.shared.errors import NoDaemon
 
 DIR_MODES = (0o700, 0o750)
 PRIVATE_MODE = 0o700

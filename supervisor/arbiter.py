@@ -3,13 +3,19 @@
 Each pass takes one message from each readable socket (zmq_poll is level-triggered, so the next
 pass sees whatever is left), which keeps every socket served in turn. Everything that happens is
 an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
-message (raw Unix sockets, ``supervisor/channel.py``), a worker
-message (backend ROUTER, admitted by supervisor.workerauth), a control command (control ROUTER:
+message (raw Unix sockets, ``supervisor/routing/bufferserver.py``), a worker
+message (backend ROUTER, admitted by supervisor/fleet/workerauth.py), a control command (control ROUTER:
 read-only; admin ROUTER: all), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
 request deadlines, backoff restarts, kill escalation, the health tick -- set the poll timeout,
 from ``time.monotonic()``. Signal handlers only record; the loop turns
 signals into the same commands the control socket takes.
+
+The Arbiter keeps the loop, the sockets, the signals, spawning and reaping. What is done to the
+workers is the fleet's (supervisor/fleet/fleet.py: restart, stop, a reload's plan, shutdown) and
+each pool's; requests are the router's (supervisor/routing/router.py). Commands reach the Arbiter
+through ``CommandHost`` (supervisor/commands.py), pools through ``PoolHost``, the router through
+``RouterHost``: each names all that its side may ask.
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ import functools
 import gc
 import logging
 import math
-import re
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -29,34 +34,37 @@ from pathlib import Path
 
 import zmq
 
+from modelwarden import compiled
 from modelwarden.shared import __version__, protocol
 from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.config import ConfigError, ModelConfig, Settings, WorkerSpec, load_settings
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
-                                         UNKNOWN_MODEL, ProtocolError)
-from modelwarden.shared.states import WorkerState
-from modelwarden.supervisor import accesslog, auth, gateway
-from modelwarden.supervisor.buffers import MAX_BUFFERS, BufferRegistry
-from modelwarden.supervisor.channel import MAX_CONNECTIONS as MAX_CHANNEL_CONNECTIONS, ChannelServer
+                                         ProtocolError)
+from modelwarden.shared.states import EXIT_MODEL_FATAL
+from modelwarden.supervisor import accesslog, auth, gatewaykeeper
+from modelwarden.supervisor.routing.buffers import MAX_BUFFERS, BufferRegistry
+from modelwarden.supervisor.routing.bufferserver import MAX_CONNECTIONS as MAX_CHANNEL_CONNECTIONS, BufferServer
 from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
-from modelwarden.supervisor.connections import BACKLOG, ConnectionGuard, raise_fd_limit
-from modelwarden.supervisor.limits import check_message
-from modelwarden.supervisor.handle import WorkerHandle
-from modelwarden.supervisor.health import EXIT_MODEL_FATAL, daemon_health
-from modelwarden.supervisor.placement import SlotPlacement, available_cores, plan
-from modelwarden.supervisor.pool import ModelPool
-from modelwarden.supervisor.probes import ProbeJudge, load_golden
-from modelwarden.supervisor import identity
-from modelwarden.supervisor.quotas import Quotas, max_buffer_bytes, shares_from
-from modelwarden.supervisor import reload
-from modelwarden.supervisor.router import Router
-from modelwarden.supervisor.standby import placement_for
-from modelwarden.supervisor.runtime import (DaemonError, check_private_endpoint, check_socket_path,
-                                            claim_private_dir, claim_runtime_dir, restrict_socket)
+from modelwarden.supervisor.status import status_snapshot
+from modelwarden.supervisor.routing.connections import BACKLOG, ConnectionGuard, raise_fd_limit
+from modelwarden.supervisor.routing.limits import check_message
+from modelwarden.supervisor.fleet.handle import WorkerHandle
+from modelwarden.supervisor.fleet.health import daemon_health
+from modelwarden.supervisor.fleet.placement import SlotPlacement, available_cores, plan
+from modelwarden.supervisor.fleet.pool import ModelPool
+from modelwarden.supervisor.fleet import probes
+from modelwarden.supervisor.fleet.fleet import Fleet
+from modelwarden.supervisor.routing import identity
+from modelwarden.supervisor.routing.quotas import Quotas, max_buffer_bytes, shares_from
+from modelwarden.supervisor.fleet import reload
+from modelwarden.supervisor.routing.router import Router
+from modelwarden.supervisor.fleet.standby import placement_for
+from modelwarden.shared.process import DaemonError, check_socket_path, restrict_socket
+from modelwarden.supervisor.runtime import check_private_endpoint, claim_private_dir, claim_runtime_dir
 from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
 from modelwarden.supervisor.timers import Timers
-from modelwarden.supervisor.versions import VersionBook
-from modelwarden.supervisor.workerauth import BackendGate, new_credentials
+from modelwarden.supervisor.fleet.versions import VersionBook
+from modelwarden.supervisor.fleet.workerauth import BackendGate, new_credentials
 from modelwarden.worker import main as worker_main
 
 logger = logging.getLogger(__name__)
@@ -78,16 +86,15 @@ class Arbiter:
                              house=identity.uid_identity(os.geteuid()))
         self.router = Router(self)
         self.registry = BufferRegistry(max_bytes=max_buffer_bytes(settings), quotas=self.quotas)
-        self.buffer_channel: ChannelServer | None = None
+        self.buffer_server: BufferServer | None = None
         self.notifier = Notifier()
         self.service = ServiceReporter(self.notifier)
         self.exit_code = 0
         self.versions = VersionBook(settings.base_dir, self._python_path())
         placements = placements or plan(settings)
-        self.pools: dict[str, ModelPool] = {
-            model.name: ModelPool(model, placements[model.name], self, self._judge_for(model))
-            for model in settings.models}
-        self.leaving_pools: list[ModelPool] = []  # removed by a reload, draining
+        self.fleet = Fleet({model.name: self._new_pool(model, placements[model.name],
+                                                   probes.judge_for(model, settings))
+                            for model in settings.models})
         self.pid = os.getpid()
         self.started_at = self.clock()
         self.stopping = False
@@ -113,14 +120,20 @@ class Arbiter:
         self._wakeup_read, self._wakeup_write = socket.socketpair()
         self.telemetry = None  # supervisor/metrics.py, when [daemon] metrics is set
         self.metrics_server = None
-        self.gateway = None  # supervisor/gateway.py's GatewayKeeper, when [gateway] is set
+        self.gateway = None  # supervisor/gatewaykeeper.py's GatewayKeeper, when [gateway] is set
 
-    def _judge_for(self, model: ModelConfig) -> ProbeJudge:
-        return ProbeJudge(model.probe, self._golden_file(model))
+    @property
+    def pools(self) -> dict[str, ModelPool]:
+        """Model name -> its pool (what the router, status and metrics read)."""
+        return self.fleet.pools
 
-    def _golden_file(self, model: ModelConfig):
-        golden = model.probe.golden
-        return load_golden(self.settings.resolve(golden)) if golden else None
+    @property
+    def leaving_pools(self) -> list[ModelPool]:
+        return self.fleet.leaving
+
+    def _new_pool(self, config: ModelConfig, placements: list[SlotPlacement],
+                  judge: probes.ProbeJudge) -> ModelPool:
+        return ModelPool(config, placements, self, judge)
 
     def _python_path(self) -> list[str]:
         # The configured directories, then the interpreter's own: never the daemon's cwd
@@ -132,7 +145,7 @@ class Arbiter:
     # -- life -------------------------------------------------------------------------------
 
     def run(self) -> int:
-        problem = self.settings.gateway is not None and gateway.cannot_run(self.settings)
+        problem = self.settings.gateway is not None and gatewaykeeper.cannot_run(self.settings)
         if problem:
             raise DaemonError(problem)
         # Spawned children start as `python -c ...`, which puts '' (the working directory) first
@@ -161,6 +174,7 @@ class Arbiter:
         logger.info("modelwarden %s serving %s on %s (control %s, admin %s)", __version__,
                     ", ".join(self.pools) or "no models", " ".join(self.settings.frontends),
                     self.settings.control_endpoint, self.settings.admin_endpoint)
+        self._log_request_path()
         self._report_health()
         gc.freeze()  # start-up objects live forever: keep the collector from rescanning them
         try:
@@ -169,6 +183,13 @@ class Arbiter:
             self._close()
         logger.info("stopped")
         return self.exit_code
+
+    def _log_request_path(self) -> None:
+        """Compiled or not (modelwarden/compiled.py): a module compiled from an older source
+        than the one beside it runs code nobody reads, so that one is a warning."""
+        states = compiled.report()
+        level = logging.WARNING if compiled.STALE in states.values() else logging.INFO
+        logger.log(level, "%s", compiled.summary(states))
 
     def _loop(self) -> None:
         # The gateway goes last: it answers its callers until every worker has left.
@@ -198,8 +219,8 @@ class Arbiter:
 
     def _start_gateway(self) -> None:
         if self.settings.gateway is not None:
-            self.gateway = gateway.GatewayKeeper(
-                gateway.gateway_spec(self.settings, self.pid), watch=self._on, unwatch=self._off,
+            self.gateway = gatewaykeeper.GatewayKeeper(
+                gatewaykeeper.gateway_spec(self.settings, self.pid), watch=self._on, unwatch=self._off,
                 call_at=self.timers.call_at, cancel=self.timers.cancel, clock=self.clock)
             self.gateway.start()
 
@@ -320,8 +341,8 @@ class Arbiter:
             self.gateway.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
-        if self.buffer_channel is not None:
-            self.buffer_channel.close()
+        if self.buffer_server is not None:
+            self.buffer_server.close()
         self.registry.close()
         if self.connections is not None:
             self.connections.close()
@@ -390,13 +411,13 @@ class Arbiter:
             self.router.send_error(sock, protocol.reply_route(frames), None, exc.code, exc.message)
             return
         kind = header.get("type")
-        if kind == "infer":
+        if kind == protocol.INFER:
             self.router.accept_infer(sock, (index, frames[0].bytes), envelope, header,
                                      identity.of_message(frames[0], self._frontend_transport[index]))
             return
         request_id = protocol.request_id_of(header)
         try:
-            if kind == "hello":
+            if kind == protocol.CLIENT_HELLO:
                 reply = self._hello(index)
             else:
                 raise ProtocolError(BAD_REQUEST, f"unknown request type {str(kind)[:32]!r}")
@@ -407,18 +428,18 @@ class Arbiter:
         send_parts(sock, [*envelope.route, SIGNATURE, protocol.pack(reply)])
 
     def shm_offered(self, index: int) -> bool:
-        return self.buffer_channel is not None and self._frontend_is_ipc[index]
+        return self.buffer_server is not None and self._frontend_is_ipc[index]
 
     def _open_buffer_channel(self) -> None:
         if not self.settings.daemon.shm:
             return
-        self.buffer_channel = ChannelServer(
+        self.buffer_server = BufferServer(
             self.registry, self.settings.runtime_dir / "buffers.sock", self.settings.daemon.shm_group,
             watch=self._on, unwatch=self._off,
             pause=lambda delay, then: self.timers.call_at(self.clock() + delay, then),
             on_revoked=self.forget_buffers, guard=self.connections, clock=self.clock)
-        self.buffer_channel.listen()
-        self.connections.add_listener(self.buffer_channel)
+        self.buffer_server.listen()
+        self.connections.add_listener(self.buffer_server)
 
     def _set_shares(self, settings: Settings) -> None:
         guard = self.connections
@@ -433,14 +454,17 @@ class Arbiter:
                            for pool in self.pools.values()],
                 "stopping": self.stopping,
                 "shm": {"enabled": self.shm_offered(index), "threshold": daemon.shm_threshold,
-                        "channel": str(self.buffer_channel.path) if self.buffer_channel else None},
+                        "channel": str(self.buffer_server.path) if self.buffer_server else None},
                 "max_message_bytes": daemon.max_message_bytes}
 
     def _model_offer(self, pool: ModelPool) -> dict:
-        """What the gateway reports about a model: readiness, outputs, version, batching."""
+        """What the gateway reports about a model: readiness, outputs (declared, else learned
+        from its READY workers' warm-up), version, batching."""
         config = pool.config
-        return {"ready": pool.ready_count(), "version": self.versions.of(config),
-                "outputs": [spec.model_dump() for spec in config.outputs or []],
+        version = self.versions.of(config)
+        outputs, declared = pool.outputs_of(version)
+        return {"ready": pool.ready_count(), "version": version,
+                "outputs": outputs, "outputs_declared": declared,
                 "batch_dim": config.batching.dim if config.batching.enabled else None,
                 "max_batch_size": config.batching.max_size if config.batching.enabled else 0,
                 "batch_delay_us": config.batching.max_delay_us if config.batching.enabled else 0,
@@ -496,7 +520,7 @@ class Arbiter:
         if not handle.alive:
             return  # declared dead (hung, timed out): whatever it says now is too late
         handle.last_seen = self.clock()
-        pool = self._pool_of(handle)
+        pool = self.fleet.pool_of(handle)
         kind = header.get("type")
         if kind == protocol.RESULT:
             self.router.on_result(pool, handle, header, frames[2:])
@@ -506,9 +530,7 @@ class Arbiter:
             pool.on_worker_state(handle, header.get("state"), header.get("info") or {})
             self._report_health()
         elif kind == protocol.FAILED:
-            handle.failure = f"{header.get('stage')}: {header.get('message')}"
-            if not pool.standbys.owns(handle):  # a standby has no slot to blame
-                pool.slot_of(handle).failure = handle.failure
+            pool.on_worker_failed(handle, header.get("stage"), header.get("message"))
         else:
             logger.warning("%s sent an unknown message type %r", handle.worker_id, kind)
 
@@ -519,7 +541,7 @@ class Arbiter:
         if handle.exitcode is not None or not multiprocessing.connection.wait([handle.sentinel], 0):
             return  # a stale event: this fd was reaped earlier in the pass and reused since
         dead = [handle] + [other for other in self._dead_now() if other is not handle]
-        owners = [self._pool_of(gone) for gone in dead]
+        owners = [self.fleet.pool_of(gone) for gone in dead]
         for gone in dead:
             self._reap(gone)
         for gone, pool in zip(dead, owners):
@@ -527,12 +549,6 @@ class Arbiter:
         for gone, pool in zip(dead, owners):
             pool.on_exit(gone)
         self._report_health()
-
-    def _pool_of(self, handle: WorkerHandle) -> ModelPool:
-        pool = self.pools.get(handle.spec.model.name)
-        if self.leaving_pools and (pool is None or handle not in pool.handles()):
-            pool = next((p for p in self.leaving_pools if handle in p.handles()), pool)
-        return pool
 
     def _dead_now(self) -> list[WorkerHandle]:
         ready = multiprocessing.connection.wait(list(self._by_sentinel), timeout=0)
@@ -564,7 +580,7 @@ class Arbiter:
             pool.roll_step()
             self.router.send_due_probes(pool, pool.ready())
             self.router.dispatch(pool)
-        self._tend_leaving(now)
+        self.fleet.tend_leaving(now, self.router)
         self.connections.tick()
         self.router.replies.sweep()
         self._report_health()
@@ -574,7 +590,7 @@ class Arbiter:
             self._shutdown_step(now)
 
     def _identities(self) -> list[dict]:
-        """What each identity holds: the daemon's (supervisor/quotas.py), then the gateway's
+        """What each identity holds: the daemon's (supervisor/routing/quotas.py), then the gateway's
         callers (gateway/quota.py), named ``gateway/IDENTITY``."""
         rows = self.quotas.view()
         if self.gateway is not None:
@@ -597,7 +613,7 @@ class Arbiter:
         self.notifier.watchdog()
         self.timers.call_at(self.clock() + self.notifier.watchdog_interval, self._watchdog)
 
-    # -- what pools (PoolHost, supervisor/pool.py) and commands call ------------------------
+    # -- what pools (PoolHost, supervisor/fleet/pool.py) and commands call ------------------------
 
     def worker_spec(self, config: ModelConfig, slot: int, generation: int,
                     placement: SlotPlacement) -> WorkerSpec:
@@ -645,11 +661,7 @@ class Arbiter:
         handle.signal(signum)
 
     def standby_placement(self, pool: ModelPool, template: SlotPlacement) -> SlotPlacement:
-        pools = (*self.pools.values(), *self.leaving_pools)
-        claimed = {core for each in pools for slot in each.slots for core in slot.placement.cores}
-        claimed.update(core for each in pools for handle in each.standbys.live()
-                       for core in handle.spec.cores)
-        return placement_for(template, available_cores(), claimed)
+        return placement_for(template, available_cores(), self.fleet.claimed_cores())
 
     def send_promote(self, handle: WorkerHandle) -> None:
         spec = handle.spec
@@ -669,31 +681,25 @@ class Arbiter:
             self.router.fail_queue(pool, NO_WORKER,
                                    f"every worker of {pool.name!r} is FATAL or stopped")
 
+    # -- what commands may ask (supervisor/commands.py: CommandHost) ------------------------------
+
+    def status(self) -> dict:
+        return status_snapshot(self)
+
     def restart(self, target: str | None) -> list[str]:
         """Revive FATAL/stopped slots and replace live workers: every model, one model, or one
         worker slot (``mlp#1``)."""
         if self.stopping:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
-        if target is None:
-            return [name for pool in self.pools.values() for name in pool.restart()]
-        pool, slot = self._target(target)
-        return pool.restart(slot)
+        return self.fleet.restart(target)
 
     def stop_target(self, target: str) -> list[str]:
         """Drain and stop one model's workers, or one worker slot, until a restart."""
         if self.stopping:
             raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
-        pool, slot = self._target(target)
-        return pool.stop(slot)
+        return self.fleet.stop(target)
 
-    def _target(self, target: str) -> tuple[ModelPool, int | None]:
-        name, _, slot = target.partition("#")
-        pool = self.pools.get(name)
-        if pool is None or (slot and not (re.fullmatch(r"[0-9]{1,6}", slot) and int(slot) < len(pool.slots))):
-            raise ProtocolError(BAD_REQUEST, f"no model or worker named {target!r}")
-        return pool, int(slot) if slot else None
-
-    # -- reload and scale (supervisor/reload.py decides, the pools act) ---------------------
+    # -- reload and scale (supervisor/fleet/reload.py decides, the pools act) ---------------------
 
     def reload(self) -> list[str]:
         """Re-read the configuration file and apply what changed; refused as a whole (the
@@ -705,7 +711,7 @@ class Arbiter:
         self.service.reload_started(daemon_health(self.pools.values()))
         try:
             new = load_settings(self.settings.config_path)
-            placements = plan(new, keep=self._running_placements())
+            placements = plan(new, keep=self.fleet.running_placements())
             reload.check_daemon_unchanged(self.settings, new)
         except ConfigError as exc:
             self._report_health()  # nothing changed: READY=1 closes the RELOADING=1
@@ -728,86 +734,27 @@ class Arbiter:
                   for model in self.settings.models]
         new = self.settings.model_copy(update={"models": models})
         try:
-            placements = plan(new, keep=self._running_placements())
+            placements = plan(new, keep=self.fleet.running_placements())
         except ConfigError as exc:
             raise ProtocolError(BAD_REQUEST, f"cannot place {workers} worker(s): {exc}") from None
         return self._apply(new, placements, "scale command")
 
-    def _running_placements(self) -> dict[str, list[SlotPlacement]]:
-        return {name: [slot.placement for slot in pool.slots] for name, pool in self.pools.items()}
-
     def _apply(self, new: Settings, placements: dict, why: str, release: bool = False) -> list[str]:
         """``release``: the file was re-read, so slots stopped by a command start again."""
-        running = self._running_placements()
-        versions = {name: {handle.spec.version for handle in pool.handles()
-                           if not pool.standbys.owns(handle)}  # a leaving standby is no roll
-                    for name, pool in self.pools.items()}
-        changes = reload.diff(self.settings, new, running, placements, self.versions.of, versions)
-        judges = self._new_judges(new, changes)  # may refuse: nothing is touched before this
+        changes = reload.diff(self.settings, new, self.fleet.running_placements(), placements,
+                              self.versions.of, self.fleet.slot_versions())
+        try:
+            judges = self.fleet.judges_for(new, changes)  # may refuse: nothing is touched yet
+        except ProtocolError as exc:
+            logger.error("reload refused, the running configuration stays: %s", exc.message)
+            self._report_health()
+            raise
         self.settings = new
         self._set_shares(new)  # the requests' share follows the models' max_queue
-        for name in changes.removed:
-            self.pools[name].retire(f"model {name} removed by a reload")
-            self.leaving_pools.append(self.pools[name])
-        for name, change in changes.kept.items():
-            pool = self.pools[name]
-            pool.reconfigure(change.config, judges[name], change.roll, self.versions.of(change.config))
-            pool.scale(change.placements, f"{why}: workers {len(pool.slots)} -> "
-                       f"{len(change.placements)}")
-            if release and pool.release():
-                change.reasons.append("stopped workers started again")
-        added = {}
-        for config in changes.added:
-            for leaving in self.leaving_pools:
-                if leaving.name == config.name:  # it shares the new pool's queue: stop it now
-                    leaving.scale([], f"{why}: model {config.name} added again")
-            added[config.name] = ModelPool(config, placements[config.name], self,
-                                           judges[config.name])
-        self.pools = {model.name: self.pools.get(model.name) or added[model.name]
-                      for model in new.models}
-        for pool in added.values():
-            pool.start_all()
-        summary = changes.summary() or ["no change"]
-        for line in summary:
-            logger.info("%s: %s", why, line)
+        summary = self.fleet.apply(new, changes, placements, judges, self.versions.of,
+                                   self._new_pool, why, release)
         self._report_health()
         return summary
-
-    def _new_judges(self, new: Settings, changes: reload.ReloadPlan) -> dict[str, ProbeJudge]:
-        """Each added or kept model's judge; a golden file that cannot be read refuses the
-        reload (``check_files`` saw it exists, not that it parses)."""
-        judges = {}
-        for config in [*changes.added, *(change.config for change in changes.kept.values())]:
-            pool = self.pools.get(config.name)
-            if pool is not None and pool.config.probe == config.probe:
-                judges[config.name] = pool.judge
-                continue
-            try:
-                golden = load_golden(new.resolve(config.probe.golden)) if config.probe.golden else None
-            except (OSError, ValueError) as exc:
-                logger.error("reload refused, the running configuration stays: %s: %s",
-                             config.probe.golden, exc)
-                self._report_health()
-                raise ProtocolError(BAD_REQUEST, f"config error: {config.name}.probe.golden: "
-                                    f"{exc}; the running configuration is unchanged") from None
-            judges[config.name] = (ProbeJudge(config.probe, golden) if pool is None
-                                   else pool.judge.reconfigured(config.probe, golden))
-        return judges
-
-    def _tend_leaving(self, now: float) -> None:
-        """Removed models: their workers serve what was queued for them, then drain and stop."""
-        for pool in list(self.leaving_pools):
-            pool.tick(now)
-            if pool.slots:
-                self.router.dispatch(pool)
-                if self.router.queued(pool) and not pool.ready_count():
-                    self.router.fail_queue(pool, UNKNOWN_MODEL, f"model {pool.name!r} was removed "
-                                           "by a reload before a worker could serve this")
-                if not self.router.queued(pool):
-                    pool.scale([], f"model {pool.name} removed by a reload")
-            elif not pool.handles():
-                self.leaving_pools.remove(pool)
-                logger.info("model %s: removed; its last worker has left", pool.name)
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -829,24 +776,13 @@ class Arbiter:
         """Serve what was accepted; then (or at the deadline) stop every worker."""
         if self._stop_deadline is not None and now >= self._stop_deadline:
             self.router.fail_everything(SHUTTING_DOWN, "the daemon stopped before answering")
-            for pool in (*self.pools.values(), *self.leaving_pools):
-                for handle in pool.handles():
-                    if handle.alive:
-                        pool.terminate(handle, "shutdown deadline")
+            self.fleet.terminate_all("shutdown deadline")
             self._stop_deadline = None
             return
         if self.router.pending or self._workers_told_to_stop:
             return
         self._workers_told_to_stop = True
-        for pool in (*self.pools.values(), *self.leaving_pools):
-            pool.standbys.stop_all("shutdown")
-            for slot in pool.slots:
-                self.timers.cancel(slot.backoff_timer)
-            for handle in pool.handles():
-                if handle.state == WorkerState.READY:
-                    pool.drain(handle, "shutdown")
-                elif handle.alive and handle.state != WorkerState.DRAINING:
-                    pool.terminate(handle, "shutdown")
+        self.fleet.shut_down()
 
 
 def _drain(sock: zmq.Socket):

@@ -39,7 +39,7 @@ from zmq.auth.base import Authenticator
 from zmq.utils import z85
 
 from modelwarden.shared.config import ConfigError, Settings, is_exposed_tcp
-from modelwarden.shared.curve import read_key_file
+from modelwarden.client.curve import read_key_file
 from modelwarden.shared.lograte import LineBudget
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def read_server_keys(settings: Settings) -> ServerKeys | None:
 def read_client_keys(directory: Path) -> dict[bytes, str]:
     """Every public key in ``directory/*.key``, in pyzmq's certs format (a true value per key):
     the value is the client's identity, ``key:`` and the file's name without ``.key``
-    (supervisor/identity.py); ConfigError naming the directory or the file that cannot be read."""
+    (supervisor/routing/identity.py); ConfigError naming the directory or the file that cannot be read."""
     key = "daemon.curve.client_keys"
     if not directory.is_dir():
         raise ConfigError(key, f"{directory} is not a directory")

@@ -20,25 +20,34 @@ the one-line reason; the CLI exits 2 for it, as for a bad file at start.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from modelwarden.shared import __version__
 from modelwarden.shared.cpulist import format_cores
 from modelwarden.shared.errors import RemoteError
 from modelwarden.shared.protocol import BAD_REQUEST, ProtocolError
-from modelwarden.shared.states import SlotState
-from modelwarden.supervisor.handle import read_rss
+from modelwarden.shared.states import EXIT_DEGRADED, EXIT_FAILED, EXIT_HEALTHY, EXIT_REFUSED
 
-if TYPE_CHECKING:
-    from modelwarden.supervisor.arbiter import Arbiter
-
-EXIT_HEALTHY, EXIT_DEGRADED, EXIT_UNREACHABLE = 0, 1, 3
-EXIT_FAILED, EXIT_REFUSED = 1, 2
 MAX_WORKERS = 1024
 ADMIN_ONLY = ("{command!r} changes the daemon: it is only accepted on the admin socket {admin} "
               "(the daemon's user or root)")
+
+
+class CommandHost(Protocol):
+    """All a command may ask of the daemon (the Arbiter): one method per thing it can do. Each
+    returns what the command's reply lists, or raises ProtocolError with the reason."""
+
+    def status(self) -> dict[str, Any]: ...  # supervisor/status.py
+
+    def restart(self, target: str | None) -> list[str]: ...
+
+    def reload(self) -> list[str]: ...
+
+    def scale(self, model: str, workers: int) -> list[str]: ...
+
+    def stop_target(self, target: str) -> list[str]: ...
+
+    def request_stop(self, reason: str) -> None: ...
 
 
 class StatusCommand:
@@ -48,8 +57,8 @@ class StatusCommand:
     mutating = False
 
     @staticmethod
-    def execute(arbiter: "Arbiter", header: dict) -> dict:
-        return {"status": status_snapshot(arbiter)}
+    def execute(host: CommandHost, header: dict) -> dict:
+        return {"status": host.status()}
 
     @staticmethod
     def render(reply: dict, as_json: bool) -> tuple[str, int]:
@@ -66,11 +75,11 @@ class RestartCommand:
     mutating = True
 
     @staticmethod
-    def execute(arbiter: "Arbiter", header: dict) -> dict:
+    def execute(host: CommandHost, header: dict) -> dict:
         target = header.get("target")
         if target is not None and not isinstance(target, str):
             raise ProtocolError(BAD_REQUEST, "'target' must be a model name or a worker id")
-        return {"restarted": arbiter.restart(target)}
+        return {"restarted": host.restart(target)}
 
     @staticmethod
     def render(reply: dict, as_json: bool) -> tuple[str, int]:
@@ -81,15 +90,15 @@ class RestartCommand:
 
 
 class ReloadCommand:
-    """Re-read the configuration file and apply what changed (supervisor/reload.py), as SIGHUP
+    """Re-read the configuration file and apply what changed (supervisor/fleet/reload.py), as SIGHUP
     does; an invalid file changes nothing and its error comes back (exit 2)."""
 
     name = "reload"
     mutating = True
 
     @staticmethod
-    def execute(arbiter: "Arbiter", header: dict) -> dict:
-        return {"changes": arbiter.reload()}
+    def execute(host: CommandHost, header: dict) -> dict:
+        return {"changes": host.reload()}
 
     @staticmethod
     def render(reply: dict, as_json: bool) -> tuple[str, int]:
@@ -108,13 +117,13 @@ class ScaleCommand:
     mutating = True
 
     @staticmethod
-    def execute(arbiter: "Arbiter", header: dict) -> dict:
+    def execute(host: CommandHost, header: dict) -> dict:
         model, workers = header.get("model"), header.get("workers")
         if not isinstance(model, str):
             raise ProtocolError(BAD_REQUEST, "'model' must be a model name")
         if not isinstance(workers, int) or isinstance(workers, bool) or not 1 <= workers <= MAX_WORKERS:
             raise ProtocolError(BAD_REQUEST, f"'workers' must be an integer from 1 to {MAX_WORKERS}")
-        return {"changes": arbiter.scale(model, workers)}
+        return {"changes": host.scale(model, workers)}
 
     render = ReloadCommand.render
     exit_code = ReloadCommand.exit_code
@@ -128,13 +137,13 @@ class StopCommand:
     mutating = True
 
     @staticmethod
-    def execute(arbiter: "Arbiter", header: dict) -> dict:
+    def execute(host: CommandHost, header: dict) -> dict:
         target = header.get("target")
         if target is not None:
             if not isinstance(target, str):
                 raise ProtocolError(BAD_REQUEST, "'target' must be a model name or a worker id")
-            return {"stopped": arbiter.stop_target(target)}
-        arbiter.request_stop("stop command")
+            return {"stopped": host.stop_target(target)}
+        host.request_stop("stop command")
         return {}
 
     @staticmethod
@@ -149,112 +158,6 @@ class StopCommand:
 
 COMMANDS = {command.name: command for command in (StatusCommand, RestartCommand, ReloadCommand,
                                                   ScaleCommand, StopCommand)}
-
-
-def status_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
-    now = arbiter.clock()
-    models, workers = [], []
-    for pool in arbiter.pools.values():
-        fatal = [f"{pool.name}#{slot.index}" for slot in pool.slots if slot.state == SlotState.FATAL]
-        version = arbiter.versions.of(pool.config)
-        models.append({"name": pool.name, "source": pool.config.source, "workers": len(pool.slots),
-                       "ready": pool.ready_count(), "fatal_slots": fatal, "queued": arbiter.router.queued(pool),
-                       "version": version, "rolling": pool.rolling(),
-                       "golden": pool.judge.golden_of(version) is not None,
-                       "batching": _batching_row(arbiter, pool)})
-        for slot in (*pool.slots, *pool.leaving):
-            workers.extend(_slot_rows(pool, slot, now))
-        workers.extend(_standby_row(pool, handle, now) for handle in pool.standbys.handles)
-    for pool in arbiter.leaving_pools:  # removed by a reload, still draining
-        for slot in (*pool.slots, *pool.leaving):
-            workers.extend(_slot_rows(pool, slot, now))
-    return {"daemon": {"pid": arbiter.pid, "version": __version__,
-                       "uptime_s": round(now - arbiter.started_at, 3),
-                       "endpoints": {"frontend": arbiter.settings.frontends,
-                                     "control": arbiter.settings.control_endpoint,
-                                     "admin": arbiter.settings.admin_endpoint},
-                       "stopping": arbiter.stopping, "pending": len(arbiter.router.pending),
-                       "limits": limits_snapshot(arbiter),
-                       "buffers": len(arbiter.registry), "buffer_bytes": arbiter.registry.bytes,
-                       "identities": arbiter.quotas.view()},
-            "models": models, "workers": workers,
-            **({"gateway": arbiter.gateway.row()} if arbiter.gateway is not None else {})}
-
-
-def _batching_row(arbiter: "Arbiter", pool) -> dict | None:
-    """None when batching is off for the model; else its settings and what it did."""
-    config = pool.config.batching
-    if not config.enabled:
-        return None
-    return {"max_size_allowed": config.max_size, "max_delay_us": config.max_delay_us,
-            "dim": config.dim, **arbiter.router.batches[pool.name].view()}
-
-
-def _slot_rows(pool, slot, now: float) -> list[dict]:
-    base = {"id": f"{pool.name}#{slot.index}", "model": pool.name, "restarts": slot.restarts,
-            "last_exit": slot.last_exit, "error": slot.failure,
-            "restart_causes": [{"at": round(at, 3), "cause": cause} for at, cause in slot.causes],
-            "device": slot.placement.device, "cores": slot.placement.cores,
-            "threads": slot.placement.threads, "promotions": slot.promotions,
-            "promoted_at": round(slot.promoted_at, 3) if slot.promoted_at else None}
-    if not slot.handles():
-        return [{**base, **_empty_row(slot, now)}]
-    return [{**base, **_handle_row(handle, now)} for handle in slot.handles()]
-
-
-def _standby_row(pool, handle, now: float) -> dict:
-    """A standby (supervisor/standby.py): a worker row of its own, with no slot behind it."""
-    return {"id": handle.worker_id, "model": pool.name, "restarts": 0, "last_exit": None,
-            "restart_causes": [], "promotions": 0, "promoted_at": None, "standby": True,
-            **_handle_row(handle, now)}
-
-
-def _empty_row(slot, now: float) -> dict:
-    """A slot with no process (BACKOFF, FATAL, STOPPED): the same keys as a live worker's row."""
-    return {"state": slot.state.value, "pid": None, "generation": slot.generation,
-            "interop_threads": None, "uptime_s": None, "ready_s": None, "requests": 0, "errors": 0,
-            "inflight": 0, "rss_bytes": None, "rss_trend_bytes_per_s": None, "cuda_bytes": None,
-            "latency_p50_us": None, "retiring": None, "probe": None, "version": None,
-            "backoff_s": round(slot.backoff_until - now, 3) if slot.backoff_until else None,
-            "retry_in_s": round(slot.retry_at - now, 3) if slot.retry_at else None,
-            "held": slot.held}
-
-
-def _handle_row(handle, now: float) -> dict:
-    probe = handle.probe
-    info = handle.info
-    return {
-        "state": handle.state.value, "pid": handle.pid, "generation": handle.spec.generation,
-        "device": info.get("device", handle.spec.device),
-        "cores": info.get("cores", handle.spec.cores),
-        "threads": info.get("threads", handle.spec.threads),
-        "interop_threads": info.get("interop_threads"),
-        "uptime_s": round(now - handle.started_at, 3),
-        "ready_s": round(now - handle.ready_at, 3) if handle.ready_at else None,
-        "requests": handle.served, "errors": handle.errors, "inflight": len(handle.inflight),
-        "rss_bytes": read_rss(handle.pid) if handle.alive else None,
-        "rss_trend_bytes_per_s": handle.rss_trend(),
-        "cuda_bytes": handle.cuda_bytes, "latency_p50_us": handle.latency_p50_us(),
-        "retiring": handle.retiring, "error": handle.failure, "backoff_s": None,
-        "retry_in_s": None, "version": handle.spec.version,
-        "probe": {"last_at": probe.last_at, "ok": probe.last_ok, "reason": probe.last_reason,
-                  "consecutive_failures": probe.consecutive_failures, "drift": probe.drift,
-                  "latency_us": probe.latency_us, "baseline_us": probe.baseline_us,
-                  "cuda_bytes": probe.cuda_bytes},
-    }
-
-
-def limits_snapshot(arbiter: "Arbiter") -> dict[str, Any]:
-    guard, router = arbiter.connections, arbiter.router
-    return {"connections": guard.connections if guard else None,
-            "max_connections": guard.high_water if guard else None,
-            "listeners_paused": guard.paused if guard else False,
-            "fd_limit": guard.fd_limit if guard else None,
-            "fd_reserve": guard.reserve if guard else None,
-            "open_fds": guard.open if guard else None,
-            "request_bytes": router.request_bytes.total, "unread_reply_bytes": router.replies.total,
-            "buffer_bytes": arbiter.registry.max_bytes,
-            "per_identity": dataclasses.asdict(arbiter.quotas.shares)}
 
 
 def status_table(status: dict) -> str:
@@ -289,7 +192,7 @@ IDENTITY_LINES = 8  # the largest holders; --json lists up to quotas.SHOWN_IDENT
 
 
 def _identity_line(row: dict) -> str:
-    """What one identity holds (supervisor/quotas.py): its connections, buffers, requests."""
+    """What one identity holds (supervisor/routing/quotas.py): its connections, buffers, requests."""
     return (f"identity {row['identity']}: {row['connections']} connections, {row['buffers']} "
             f"buffers ({_bytes(row['buffer_bytes'])}), {row['requests']} requests "
             f"({_bytes(row['request_bytes'])}) in flight")

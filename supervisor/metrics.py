@@ -36,8 +36,8 @@ from prometheus_client.exposition import choose_encoder, gzip_accepted
 
 from modelwarden.shared.states import SlotState, WorkerState
 from modelwarden.supervisor.metrics_http import HttpServer, Request, Response
-from modelwarden.supervisor.quotas import RESOURCES
-from modelwarden.supervisor.runtime import DaemonError
+from modelwarden.supervisor.routing.quotas import RESOURCES
+from modelwarden.shared.process import DaemonError
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ class Snapshot:
     promotions: tuple = ()  # (model, standbys promoted into a slot since start)
     requests: tuple = ()  # (request_labels, answers)
     histograms: tuple = ()  # (model, ((bucket counts, sum) per HISTOGRAMS entry))
-    identities: tuple = ()  # (identity, resource, held): supervisor/quotas.py, largest holders
+    identities: tuple = ()  # (identity, resource, held): supervisor/routing/quotas.py, largest holders
 
 
 def minimum_ready(pool) -> int:

@@ -2,10 +2,10 @@
 
 Why here and not in a thread: a thread (and a descriptor) per connection let any local user
 who held idle connections open fill the supervisor's descriptor table, and libzmq aborts the
-whole daemon when its ipc listener meets EMFILE (supervisor/connections.py). Every descriptor
+whole daemon when its ipc listener meets EMFILE (supervisor/routing/connections.py). Every descriptor
 this module holds is bounded and charged to the daemon's one budget.
 
-The host (the Arbiter) lends what ChannelServer uses: its poller (``watch(fd, handler)`` runs
+The host (the Arbiter) lends what BufferServer uses: its poller (``watch(fd, handler)`` runs
 ``handler`` when ``fd`` is readable, ``unwatch(fd)``), its timers (``call_at(when, fn, *args)``,
 ``cancel(timer)``), its clock, and ``guard``, the daemon's descriptor account
 (``ConnectionGuard``: ``can_accept()``, and ``opened()``/``closed()`` for each connection it
@@ -30,7 +30,6 @@ Parsing, admission and the refusal log are policy apart from the sockets (``pars
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import socket
 from dataclasses import dataclass
@@ -213,7 +212,7 @@ class HttpServer:
         self._watch, self._unwatch = watch, unwatch
         self._call_at, self._cancel = call_at, cancel
         self.clock = clock
-        self.guard = guard  # the daemon's descriptor account (supervisor/connections.py)
+        self.guard = guard  # the daemon's descriptor account (supervisor/routing/connections.py)
         self.paused = False  # by the guard: the listener is out of the poller
         self.admission = Admission()
         self.refusals = RefusalLog(clock)

@@ -32,14 +32,12 @@ import stat
 from pathlib import Path
 from typing import IO
 
+from modelwarden.shared.process import DaemonError, group_id
+
 PRIVATE_MODE = 0o700
 SHARED_MODE = 0o750  # group may enter (and list); only we may create or remove entries
 PID_FILE = "modelwarden.pid"
 PID_FILE_MODE = 0o600  # only the daemon's user may open it, so only it may lock it
-
-
-class DaemonError(RuntimeError):
-    """The daemon cannot start (runtime directory, lock, endpoints)."""
 
 
 def claim_runtime_dir(runtime: Path, group: str | None) -> IO:
@@ -153,35 +151,6 @@ def check_private_endpoint(path: Path) -> None:
         return
     raise DaemonError(f"{path} must lie in a directory only the daemon's user can enter, but "
                       f"{directory} {problem}")
-
-
-def check_socket_path(path: Path) -> None:
-    """Binding replaces a socket file; anything else at that path is not ours to replace."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise DaemonError(f"cannot bind {path}: {exc.strerror}") from None
-    if not stat.S_ISSOCK(info.st_mode):
-        raise DaemonError(f"refusing to bind {path}: something that is not a socket is there")
-
-
-def restrict_socket(path: Path, group: str | None) -> None:
-    """An ipc socket file we just bound: 0600, or group-owned 0660 when ``group`` is given."""
-    try:
-        if group:
-            os.chown(path, -1, group_id(group))
-        os.chmod(path, 0o660 if group else 0o600)
-    except OSError as exc:
-        raise DaemonError(f"cannot set the permissions of {path}: {exc}") from None
-
-
-def group_id(group: str) -> int:
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise DaemonError(f"daemon.shm_group: no group named {group!r}") from None
 
 
 def _user(uid: int) -> str:

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 
-from modelwarden.supervisor.health import Health
+from modelwarden.supervisor.fleet.health import Health
 
 logger = logging.getLogger(__name__)
 

@@ -54,13 +54,16 @@ def channels(path: str, count: int) -> None:
     held, refused = [], 0
     for _ in range(count):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        sock.setblocking(False)
+        # A blocking connect waits while the listen backlog is full: every connection reaches the
+        # daemon's accept (its share decides), not just those a busy daemon happened to keep up with.
+        sock.settimeout(2)
         try:
             sock.connect(path)
         except OSError:
             refused += 1
             sock.close()
             continue
+        sock.setblocking(False)
         held.append(sock)
     closed = _closed_by_peer(held)
     report({"connected": len(held), "refused": refused, "closed_by_daemon": closed})

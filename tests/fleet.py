@@ -176,10 +176,10 @@ def _client_main() -> None:
     parser.add_argument("--stop-file")
     parser.add_argument("--threads", type=int, default=4)
     args = parser.parse_args()
-    from modelwarden.shared.client import Client
+    from modelwarden.client.connect import connect
 
-    with Client(args.endpoints, timeout=args.timeout, server_key=args.server_key,
-                client_key=args.client_key) as client:
+    with connect(args.endpoints, timeout=args.timeout, server_key=args.server_key,
+                 client_key=args.client_key) as client:
         summary = _requests(client, args.requests) if args.requests else _load(client, args)
         summary["health"] = client.health() if hasattr(client, "health") else {}
     print(json.dumps(summary), flush=True)

@@ -1,79 +1,27 @@
-"""Test helpers: start the real daemon as a subprocess, poll with deadlines, read /proc."""
+"""Test helpers: the real daemon with the tests' defaults (on modelwarden/testing.py), fault
+models, probe tables, /proc readings."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
 import secrets
-import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 import tomllib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
-from modelwarden.shared import protocol, shm
+from modelwarden.shared import protocol
+# The harness (modelwarden/testing.py) is the package's, for tools and users' tests alike; the
+# tests import these names from here, as they always have.
+from modelwarden.testing import (DaemonGone, LocalDaemon, PollTimeout, memfd_holders,  # noqa: F401
+                                 perf_analyzer, poll_until, render_config, toml_value)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-class DaemonGone(AssertionError):
-    """The daemon under test exited: no poll for anything else can succeed any more."""
-
-
-def poll_until(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.05,
-               message: str = "condition") -> Any:
-    """Call ``condition`` until it returns something truthy; fail after ``timeout`` seconds.
-    Waiting is done in zmq.Poller with no sockets, not time.sleep: a poll with a deadline.
-    A DaemonGone fails at once (a crashed daemon must not cost the whole timeout)."""
-    deadline = time.monotonic() + timeout
-    idle = zmq.Poller()
-    last_error: Exception | None = None
-    while True:
-        try:
-            value = condition()
-            if value:
-                return value
-        except DaemonGone:
-            raise
-        except Exception as exc:  # the condition may race with a restarting daemon
-            last_error = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message}"
-                                 + (f" (last error: {last_error!r})" if last_error else ""))
-        idle.poll(int(interval * 1000))
-
-
-def toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{key} = {toml_value(item)}" for key, item in value.items()) + " }"
-    raise TypeError(type(value))
-
-
-def render_config(daemon: dict, models: list[dict]) -> str:
-    lines = ["[daemon]"] + [f"{key} = {toml_value(value)}" for key, value in daemon.items()]
-    for model in models:
-        probe = model.get("probe")
-        lines += ["", "[[models]]"]
-        lines += [f"{key} = {toml_value(value)}" for key, value in model.items() if key != "probe"]
-        if probe:
-            lines += ["[models.probe]"] + [f"{key} = {toml_value(value)}" for key, value in probe.items()]
-    return "\n".join(lines) + "\n"
 
 
 def mlp_model(name: str = "mlp", workers: int = 2, **extra: Any) -> dict:
@@ -115,116 +63,27 @@ def rewrite_config(daemon: "Daemon", models: list[dict], **daemon_settings: Any)
     daemon.config_path.write_text(render_config({**current["daemon"], **daemon_settings}, models))
 
 
-class Daemon:
-    """The real daemon in a subprocess, on a private runtime directory."""
+class Daemon(LocalDaemon):
+    """The real daemon in a subprocess, on a private runtime directory (modelwarden/testing.py),
+    with the tests' defaults: a fast heartbeat, oversubscribed cores, this tree importable by
+    the workers (tests/faulty.py), and the daemon started from the repository root."""
 
     def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None,
                  extra_frontends: list[str] = (), nofile: int | None = None) -> None:
         # Short paths: a unix socket path is limited to 107 bytes.
-        self.dir = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
-        settings = {"runtime_dir": str(self.dir / "run"), "allow_oversubscription": True,
+        directory = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
+        settings = {"runtime_dir": str(directory / "run"), "allow_oversubscription": True,
                     "heartbeat_interval": 0.2,
                     "python_path": [str(ROOT)]}
         settings.update(daemon or {})
         if extra_frontends:
-            settings["frontend"] = [f"ipc://{self.dir}/run/frontend.sock", *extra_frontends]
-        self.config_path = self.dir / "modelwarden.toml"
-        self.config_path.write_text(render_config(settings, models))
-        self.log_path = self.dir / "daemon.log"
-        self.env = {**os.environ, **(env or {})}
-        self.env.pop("MODELWARDEN_CONFIG", None)
+            settings["frontend"] = [f"ipc://{directory}/run/frontend.sock", *extra_frontends]
         self.nofile = nofile  # RLIMIT_NOFILE (soft = hard) for the daemon, if given
-        self.process: subprocess.Popen | None = None
-        self.endpoint = f"ipc://{self.dir}/run/frontend.sock"
-        self.control = f"ipc://{self.dir}/run/control.sock"
-        self.admin = f"ipc://{self.dir}/run/private/admin.sock"
-        if "frontend" in settings:
-            self.endpoint = settings["frontend"][0]
-
-    def start(self) -> "Daemon":
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "modelwarden", "serve", "--config", str(self.config_path)],
-            cwd=ROOT, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
-            preexec_fn=self._limit_fds if self.nofile else None)
-        return self
+        super().__init__({"daemon": settings, "models": models}, env=env, cwd=ROOT,
+                         directory=directory, preexec_fn=self._limit_fds if nofile else None)
 
     def _limit_fds(self) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
-
-    def check_running(self) -> None:
-        if self.process is not None and self.process.poll() is not None:
-            raise DaemonGone(f"daemon exited with {self.process.returncode}:\n{self.log()[-4000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def status(self, timeout: float = 5.0, endpoint: str | None = None) -> dict:
-        """On the admin socket, as the operator's ``modelwarden status`` asks (it is never
-        paused: the control socket is, under a flood); ``endpoint`` to ask elsewhere."""
-        from modelwarden.shared.client import control_request
-
-        self.check_running()
-        return control_request(endpoint or self.admin, {"type": "status"}, timeout)["status"]
-
-    def command(self, command: str, **fields: Any) -> dict:
-        """A control command on the socket the CLI would use: admin for mutating ones."""
-        from modelwarden.shared.client import control_request
-        from modelwarden.supervisor.commands import COMMANDS
-
-        endpoint = self.admin if COMMANDS[command].mutating else self.control
-        return control_request(endpoint, {"type": command, **fields}, 5.0)
-
-    def workers(self, model: str | None = None, state: str | None = None) -> list[dict]:
-        return [worker for worker in self.status()["workers"]
-                if (model is None or worker["model"] == model)
-                and (state is None or worker["state"] == state)]
-
-    def wait_ready(self, timeout: float = 90.0, models: list[str] | None = None) -> dict:
-        def all_ready():
-            status = self.status(timeout=2.0)
-            wanted = [m for m in status["models"] if models is None or m["name"] in models]
-            return status if all(m["ready"] == m["workers"] for m in wanted) else None
-
-        return poll_until(all_ready, timeout, message="every worker READY")
-
-    def worker_pids(self) -> list[int]:
-        return [worker["pid"] for worker in self.status()["workers"] if worker["pid"]]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else 0
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
-            raise AssertionError(f"daemon did not stop within {timeout}s:\n{self.log()}")
-
-    def cleanup(self) -> None:
-        pids = []
-        try:
-            if self.process is not None and self.process.poll() is None:
-                pids = self.worker_pids()
-        except Exception:
-            pass
-        try:
-            self.stop()
-        finally:
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self._log.close()
-            shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> "Daemon":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.cleanup()
 
 
 def children_of(pid: int) -> list[int]:
@@ -260,26 +119,6 @@ def cpus_allowed(pid: int) -> str:
 
 def cmdline(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-
-
-MEMFD_LINK = f"/memfd:{shm.MEMFD_NAME} (deleted)"
-
-
-def memfd_holders(exclude: tuple[int, ...] = ()) -> dict[int, int]:
-    """pid -> how many modelwarden buffer descriptors (``memfd:modelwarden``) it holds, for
-    every process on the machine but ``exclude``."""
-    holders: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in exclude:
-            continue
-        try:
-            fds = os.listdir(f"/proc/{entry}/fd")
-        except OSError:  # gone
-            continue
-        count = sum(1 for fd in fds if _readlink(f"/proc/{entry}/fd/{fd}") == MEMFD_LINK)
-        if count:
-            holders[int(entry)] = count
-    return holders
 
 
 def _readlink(path: str) -> str | None:
@@ -375,23 +214,40 @@ def temporary_user(prefix: str):
         subprocess.run(["groupdel", group], check=True)
 
 
-def perf_analyzer() -> tuple[Path, dict] | str:
-    """Triton's perf_analyzer (a C++ client in tritonclient's wheel) and the environment it
-    loads in, or why it cannot run here."""
-    binary = Path(sys.executable).parent / "perf_analyzer"
-    if not binary.exists():
-        return "perf_analyzer is not installed (tritonclient's wheel ships it)"
-    env = dict(os.environ)
-    try:  # it links libcudart even to measure a CPU server: the gateway-test extra has it
-        import nvidia.cuda_runtime
+class Gate:
+    """Holds a model's only worker busy while requests queue behind it: ``request`` is one the
+    model blocks on while the file ``path`` exists (tests/faulty.py's GATE value, say)."""
 
-        lib = Path(list(nvidia.cuda_runtime.__path__)[0], "lib")
-        env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
-    except ImportError:
-        pass
-    done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, env=env,
-                          timeout=30)
-    if done.returncode != 0:
-        return (f"perf_analyzer cannot run here: {done.stderr.strip()[-160:]} "
-                "(Debian: apt install libb64-0d)")
-    return binary, env
+    def __init__(self, daemon: Daemon, client, model: str, request: Any, path: Path,
+                 wait: float = 60.0) -> None:
+        self.daemon, self.client, self.model = daemon, client, model
+        self.request, self.path, self.wait = request, path, wait
+
+    def __enter__(self) -> "Gate":
+        self.path.touch()
+        self.busy = self.client.submit(self.model, self.request, timeout=self.wait)
+        poll_until(lambda: self.daemon.workers(self.model)[0]["inflight"] == 1, self.wait,
+                   message="the worker busy with the gated request")
+        return self
+
+    def queue(self, count: int) -> None:
+        """Wait until ``count`` requests are queued behind the gate."""
+        poll_until(lambda: self.daemon.status()["models"][0]["queued"] == count, self.wait,
+                   message=f"{count} requests queued behind the gate")
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)
+        self.busy.result(self.wait)
+
+
+def shipped_model(config: str, **overrides: Any) -> dict:
+    """The first model of examples/``config``, its probe files made absolute (a test's config
+    lives elsewhere); ``overrides`` replace its keys, ``probe`` merging into its probe table."""
+    model = tomllib.loads((ROOT / "examples" / config).read_text())["models"][0]
+    probe = model["probe"]
+    for key in ("input", "golden"):
+        probe[key] = str(ROOT / "examples" / probe[key])
+    model.update(overrides)
+    model["probe"] = {**probe, **overrides.get("probe", {})}
+    return model
+

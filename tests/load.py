@@ -1,4 +1,5 @@
-"""A load generator for tests and the soak bench: N client threads, every answer accounted for.
+"""A load generator for tests: N client threads, every answer accounted for (``Counts``, shared
+with the soak bench's ``run_counted`` in bench/loadgen.py).
 
 The contract it checks is the daemon's: every request gets exactly one answer, a right result
 or a typed error; ``sent == ok + errors`` always, and ``wrong == 0``.
@@ -6,44 +7,16 @@ or a typed error; ``sent == ok + errors`` always, and ``wrong == 0``.
 
 from __future__ import annotations
 
-import collections
 import os
 import random
 import signal
 import threading
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from modelwarden.shared.client import Client, RemoteError
-
-
-@dataclass
-class Counts:
-    sent: int = 0
-    ok: int = 0
-    wrong: int = 0
-    errors: collections.Counter = field(default_factory=collections.Counter)
-    unexpected: list = field(default_factory=list)  # exceptions that are not RemoteErrors
-
-    @property
-    def failed(self) -> int:
-        return sum(self.errors.values())
-
-    def reconciles(self) -> bool:
-        return self.sent == self.ok + self.failed and not self.unexpected
-
-    def merge(self, other: "Counts") -> None:
-        self.sent += other.sent
-        self.ok += other.ok
-        self.wrong += other.wrong
-        self.errors.update(other.errors)
-        self.unexpected.extend(other.unexpected)
-
-    def __str__(self) -> str:
-        return (f"sent={self.sent} ok={self.ok} wrong={self.wrong} errors={dict(self.errors)} "
-                f"unexpected={self.unexpected[:3]}")
+from bench.loadgen import Counts
+from modelwarden.client.client import Client, RemoteError
 
 
 def run_load(endpoint: str, model: str, reference: Callable, clients: int = 4,

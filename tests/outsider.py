@@ -43,7 +43,7 @@ def main() -> None:
     runtime = sys.argv[2]
     import numpy as np
 
-    from modelwarden.shared.client import Client, RemoteError, control_request
+    from modelwarden.client.client import Client, RemoteError, control_request
 
     control, admin = f"ipc://{runtime}/control.sock", f"ipc://{runtime}/private/admin.sock"
     found: dict = {"uid": os.getuid(), "groups": os.getgroups()}
@@ -79,7 +79,7 @@ def _unix_connect(path: str) -> str:
 
 
 def _client_error(endpoint: str) -> str:
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
 
     try:
         with Client(endpoint, timeout=2) as client:
@@ -90,7 +90,7 @@ def _client_error(endpoint: str) -> str:
 
 
 def _cli(argv: list[str]) -> dict:
-    from modelwarden.supervisor.cli import main as cli_main
+    from modelwarden.cli import main as cli_main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -107,7 +107,7 @@ def victim(site_packages: str) -> None:
 
     import numpy as np
 
-    from modelwarden.shared.client import AsyncClient, Client
+    from modelwarden.client.client import AsyncClient, Client
 
     x = np.ones((2, 64), np.float32)
     found: dict = {}

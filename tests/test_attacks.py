@@ -18,14 +18,14 @@ import resource
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+
 
 import numpy as np
 import pytest
 import torch
 
 from modelwarden import Client
-from modelwarden.shared.client import control_request
+from modelwarden.client.client import control_request
 from tests.helpers import (ROOT, Daemon, fd_count, mlp_model, poll_until, readline_within,
                            rss_bytes, temporary_user)
 
@@ -33,7 +33,7 @@ NOFILE = 1024
 ATTACKS = (ROOT / "tests" / "attacks.py").read_text()
 MiB = 1 << 20
 # Connections the I/O thread accepts before the loop's pause lands, and those already in the
-# kernel's backlog: the reserve's BACKLOG + BURST per listener (supervisor/connections.py).
+# kernel's backlog: the reserve's BACKLOG + BURST per listener (supervisor/routing/connections.py).
 BURST_SLACK = 128
 
 

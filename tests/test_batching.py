@@ -12,7 +12,8 @@ import torch
 from modelwarden import Client
 from modelwarden.shared.errors import BadInput, ModelError, Overloaded, Poison, Timeout
 from tests.faulty import GATE, MARKER, POISON, pair_reference
-from tests.helpers import Daemon, poll_until
+from tests import helpers
+from tests.helpers import Daemon
 
 WAIT = 60
 
@@ -37,26 +38,9 @@ def inputs(rows: int, seed: int, width: int = 3, fill: float | None = None) -> t
     return a, torch.randn(rows, width, generator=generator)
 
 
-class Gate:
-    """Holds the pool's only worker busy while requests queue behind it."""
-
-    def __init__(self, daemon: Daemon, client: Client, tmp_path) -> None:
-        self.daemon, self.client, self.path = daemon, client, tmp_path / "gate"
-
-    def __enter__(self) -> "Gate":
-        self.path.touch()
-        self.busy = self.client.submit("pair", inputs(1, 0, fill=GATE), timeout=WAIT)
-        poll_until(lambda: self.daemon.workers("pair")[0]["inflight"] == 1, WAIT,
-                   message="the worker busy with the gated request")
-        return self
-
-    def queue(self, count: int) -> None:
-        poll_until(lambda: self.daemon.status()["models"][0]["queued"] == count, WAIT,
-                   message=f"{count} requests queued behind the gate")
-
-    def __exit__(self, *exc) -> None:
-        self.path.unlink(missing_ok=True)
-        self.busy.result(WAIT)
+def Gate(daemon: Daemon, client: Client, tmp_path) -> helpers.Gate:
+    """The only worker of 'pair' held busy (tests/helpers.Gate) while requests queue."""
+    return helpers.Gate(daemon, client, 'pair', inputs(1, 0, fill=GATE), tmp_path / "gate", WAIT)
 
 
 def submit_all(client: Client, requests: list, **kwargs) -> list:

@@ -43,7 +43,7 @@ def test_quick_serving_bench_measures_every_point(tmp_path):
             expected.append(("gateway", "batching off", 1, "gRPC C++ empty server"))
     assert sorted(points) == sorted(expected)
     for key, row in points.items():
-        assert row["ok"] > 0 and row["errors"] == 0, (key, row)
+        assert row["ok"] > 0 and row["errors"] == 0, (key, row.get("first_error"), row)
         if key[-1] not in ("gRPC perf_analyzer", "gRPC C++ empty server"):  # perf_analyzer checks
             # nothing; a failure fails it
             assert row["checked"] > 0, (key, row)  # answers were compared with the in-process model

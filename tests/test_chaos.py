@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from modelwarden.shared.client import Client, Poison
+from modelwarden.client.client import Client, Poison
 from tests.faulty import MARKER, reference
 from tests.helpers import (ROOT, Daemon, alive, faulty_model, memfd_holders, poll_until,
                            readline_within)
@@ -159,7 +159,7 @@ def test_a_leaking_worker_is_recycled_past_max_rss():
 ORPHAN_CLIENT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
     client = Client({endpoint!r})
     x = torch.ones(8192, 8)   # 256 KiB: travels in shared memory
     client.infer("survivor", x)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from modelwarden.supervisor.devices import visible_gpus
+from modelwarden.supervisor.fleet.devices import visible_gpus
 from tests.helpers import ROOT, Daemon, poll_until, render_config, temporary_user
 
 EXIT_CONFIG, EXIT_UNREACHABLE = 2, 3
@@ -34,7 +34,7 @@ def cli(*argv: str, env: dict | None = None, timeout: float = 60) -> subprocess.
 def imports_after(argv: list[str]) -> dict:
     """Run the CLI in a fresh interpreter; which heavy modules it loaded, and its exit code."""
     script = ("import json, sys\n"
-              "from modelwarden.supervisor.cli import main\n"
+              "from modelwarden.cli import main\n"
               f"code = main({argv!r})\n"
               "print(json.dumps({'code': code, 'torch': 'torch' in sys.modules,"
               " 'numpy': 'numpy' in sys.modules, 'pydantic': 'pydantic' in sys.modules}))\n")
@@ -187,7 +187,7 @@ def _reachable_by_all(path: Path) -> bool:
 def cli_as(user: str, group: str, *argv: str) -> subprocess.CompletedProcess:
     """The CLI as ``user``, with no MODELWARDEN_* variable and no XDG_RUNTIME_DIR."""
     script = ("import site, sys; site.addsitedir(sys.argv[1]); "
-              "from modelwarden.supervisor.cli import main; sys.exit(main(sys.argv[2:]))")
+              "from modelwarden.cli import main; sys.exit(main(sys.argv[2:]))")
     return subprocess.run(["setpriv", "--reuid", user, "--regid", group, "--init-groups",
                            _python_for_others(), "-I", "-S", "-c", script,
                            sysconfig.get_paths()["purelib"], *argv],

@@ -1,6 +1,7 @@
 """Configuration: the file, environment overrides, and clear errors (exit 2, one line, no
 traceback) from the real command line."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,25 @@ def test_environment_names_the_config_file(tmp_path, monkeypatch):
     assert settings.frontends == [f"ipc://{tmp_path / 'run'}/frontend.sock"]
 
 
+def test_the_client_reads_the_frontends_the_daemon_validates_without_pydantic(tmp_path, monkeypatch):
+    """client.default_endpoint reads MODELWARDEN_CONFIG through rawconfig (standard library): the
+    same frontends the daemon's schema gives, for the default, a listed one and an override."""
+    from modelwarden.shared.rawconfig import frontend_endpoints
+
+    path = write(tmp_path, [mlp_model(workers=1)])
+    assert frontend_endpoints(path) == load_settings(path).frontends
+    listed = ["tcp://127.0.0.1:5555", f"ipc://{tmp_path}/other.sock"]
+    monkeypatch.setenv("MODELWARDEN_DAEMON__FRONTEND", json.dumps(listed))
+    assert frontend_endpoints(path) == load_settings(path).frontends == listed
+    monkeypatch.setenv("MODELWARDEN_CONFIG", str(path))
+    monkeypatch.delenv("MODELWARDEN_ENDPOINT", raising=False)
+    script = ("import sys\nfrom modelwarden.client.client import default_endpoint\n"
+              "print(default_endpoint(), 'pydantic' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path)
+    assert done.stdout.split() == [listed[1], "False"], done.stderr[-2000:]  # the ipc one first
+
+
 def test_bad_environment_override_is_a_config_error(tmp_path, monkeypatch):
     path = write(tmp_path, [mlp_model(workers=1)])
     monkeypatch.setenv("MODELWARDEN_MODELS__nosuch__WORKERS", "2")
@@ -131,6 +151,16 @@ def test_warmup_needs_an_input_spec(tmp_path):
     model = mlp_model(workers=1)
     del model["inputs"]
     assert_config_error(serve_check(write(tmp_path, [model])), "models[0]", "warm-up needs")
+
+
+def test_inputs_may_be_str_or_bytes_elements(tmp_path):
+    model = mlp_model(workers=1, inputs=[{"name": "texts", "dtype": "str", "shape": [-1]},
+                                         {"name": "blob", "dtype": "bytes", "shape": []}])
+    settings = load_settings(write(tmp_path, [model]))
+    assert [spec.dtype for spec in settings.models[0].inputs] == ["str", "bytes"]
+    model = mlp_model(workers=1, inputs=[{"name": "texts", "dtype": "string", "shape": [-1]}])
+    with pytest.raises(ConfigError, match="str, bytes"):
+        load_settings(write(tmp_path, [model]))
 
 
 def _with_gateway(tmp_path: Path, section: str, **model) -> Path:

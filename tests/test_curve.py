@@ -4,6 +4,7 @@ rules, and a byte capture of the tcp traffic through a relay that proves it hold
 
 from __future__ import annotations
 
+import json
 import selectors
 import shutil
 import signal
@@ -22,7 +23,7 @@ from zmq.auth.certs import load_certificate
 from zmq.utils.monitor import recv_monitor_message
 
 from modelwarden.shared import protocol
-from modelwarden.shared.client import AsyncClient, Client, Timeout
+from modelwarden.client.client import AsyncClient, Client, Timeout
 from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config
 from tests.test_config import assert_config_error
 from tests.test_config import serve_check as check_config_file
@@ -345,23 +346,77 @@ def test_allow_plaintext_tcp_starts_with_a_warning_per_exposed_frontend(plaintex
 # -- rotation -----------------------------------------------------------------------------------
 
 
+def reload_counter(daemon: Daemon):
+    """reloaded(n): whether the daemon has reloaded its client keys to n keys since this call
+    (the module's daemon logs the same line at every test's reload)."""
+    line = "client keys reloaded: {} key(s) allowed now"
+    before = {n: daemon.log().count(line.format(n)) for n in (1, 2, 3)}
+    return lambda n: daemon.log().count(line.format(n)) > before[n]
+
+
 def test_sighup_rereads_client_keys_without_a_restart(curve_daemon, keys, tmp_path):
     bob_public, bob_secret = make_pair(tmp_path / "bob", "bob")
     bob = dict(server_key=keys.server_public, client_key=bob_secret)
     assert_no_answer(Client(curve_daemon.tcp, timeout=1.0, **bob))
     pid = curve_daemon.process.pid
+    reloaded = reload_counter(curve_daemon)
     shutil.copy(bob_public, keys.allowed)
     curve_daemon.process.send_signal(signal.SIGHUP)
-    poll_until(lambda: "client keys reloaded: 2 key(s) allowed now" in curve_daemon.log(),
-               message="the daemon to reload its client keys")
+    poll_until(lambda: reloaded(2), message="the daemon to reload its client keys")
     with Client(curve_daemon.tcp, timeout=30.0, **bob) as client:
         assert client.infer(MODEL, sample_input()).shape == (8, 10)
+    reloaded = reload_counter(curve_daemon)
     (keys.allowed / bob_public.name).unlink()  # revoke: the next handshake is refused
     curve_daemon.process.send_signal(signal.SIGHUP)
-    poll_until(lambda: "client keys reloaded: 1 key(s) allowed now" in curve_daemon.log(),
-               message="the daemon to reload its client keys again")
+    poll_until(lambda: reloaded(1), message="the daemon to reload its client keys again")
     assert_no_answer(Client(curve_daemon.tcp, timeout=1.0, **bob))
     assert curve_daemon.process.pid == pid and curve_daemon.process.poll() is None
+
+
+REFUSED_KINDS = ["infer", "submit", "async", "several"]
+
+
+def test_a_refused_handshake_never_holds_a_client_past_its_deadline_and_it_recovers(
+        curve_daemon, keys, tmp_path):
+    """libzmq never reconnects after a handshake the daemon refused, and its DEALER then takes
+    no message: every client sends without waiting, so the next request still ends in Timeout
+    at its deadline, and once the daemon allows the key the same client object is served
+    (client/connection.py gives up the dead socket for a new one). Each client runs in its own
+    process (tests/refused.py): one that waits for ever is this test's timeout, not a hang."""
+    carol_public, carol_secret = make_pair(tmp_path / "carol", "carol")
+    clients = {kind: subprocess.Popen(
+        [sys.executable, "-m", "tests.refused", kind, curve_daemon.tcp, str(keys.server_public),
+         str(carol_secret), MODEL], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for kind in REFUSED_KINDS}
+    try:
+        for kind, process in clients.items():
+            line = line_within(process, 60)  # each call is bounded: 2 x (1 s + the grace)
+            assert json.loads(line) == {"refused": ["Timeout", "Timeout"]}, (kind, line)
+        reloaded = reload_counter(curve_daemon)
+        shutil.copy(carol_public, keys.allowed)
+        curve_daemon.process.send_signal(signal.SIGHUP)
+        poll_until(lambda: reloaded(2), message="the daemon to reload its client keys")
+        for kind, process in clients.items():
+            out, err = process.communicate("allowed\n", timeout=120)
+            assert process.returncode == 0, (kind, err)
+            assert json.loads(out.splitlines()[-1]) == {"allowed": "ok"}, (kind, out, err)
+    finally:
+        for process in clients.values():
+            process.kill()
+            process.wait()
+        reloaded = reload_counter(curve_daemon)
+        (keys.allowed / carol_public.name).unlink(missing_ok=True)
+        curve_daemon.process.send_signal(signal.SIGHUP)
+        poll_until(lambda: reloaded(1), message="the daemon to forget carol's key")
+
+
+def line_within(process: subprocess.Popen, timeout: float) -> str:
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        assert selector.select(timeout), f"{process.args[3]}: no line within {timeout}s (a client waiting for ever?)"
+    line = process.stdout.readline()
+    assert line, f"{process.args[3]} ended: {process.stderr.read()}"
+    return line
 
 
 # -- configuration ------------------------------------------------------------------------------
@@ -417,7 +472,7 @@ def test_unreadable_curve_keys_are_config_errors_naming_the_file(tmp_path, keys)
 
 def test_a_curve_client_is_known_by_its_key_and_held_to_its_share(keys):
     """The identity of a CURVE client is its key's file name, which the ZAP handler gives libzmq
-    as the User-Id (supervisor/identity.py): its requests count against that share."""
+    as the User-Id (supervisor/routing/identity.py): its requests count against that share."""
     from modelwarden.shared.errors import Overloaded
 
     port = free_port()

@@ -12,7 +12,7 @@ last resort of arbiter._on_frontend and _control_message).
 import pytest
 import torch
 
-from modelwarden.shared.client import Client, ModelError, OutOfMemory
+from modelwarden.client.client import Client, ModelError, OutOfMemory
 from tests.faulty import MARKER, reference
 from tests.helpers import Daemon, faulty_model, poll_until
 

@@ -177,6 +177,29 @@ def test_model_config_is_what_tritons_tools_read(daemon):
     assert raised.value.status() == "StatusCode.NOT_FOUND"
 
 
+def test_a_model_declaring_no_outputs_lists_those_its_warm_up_learned():
+    # No "outputs" in its configuration: REST and gRPC metadata, the model config and hello
+    # list what the workers' last warm-up forward returned, named as an infer names them.
+    learned = [{"name": "output__0", "datatype": "FP32", "shape": [-1, 10]}]
+    with gateway_daemon([mlp_model("plain", workers=1, batching={"max_size": 4})]) as instance:
+        instance.wait_ready()
+        http_client, grpc_client = clients(instance).values()
+        assert http_client.get_model_metadata("plain")["outputs"] == learned
+        metadata = grpc_client.get_model_metadata("plain")
+        assert [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
+                for t in metadata.outputs] == learned
+        assert http_client.get_model_config("plain")["output"] == [
+            {"name": "output__0", "data_type": "TYPE_FP32", "dims": [10]}]
+        x = np.random.default_rng(2).standard_normal((3, 64), dtype=np.float32)
+        result = infer(http_client, httpclient, "plain", {"x": x}, {"x": "FP32"}, outputs=["output__0"])
+        np.testing.assert_allclose(result.as_numpy("output__0"), MLP(torch.from_numpy(x)).detach().numpy(),
+                                   rtol=1e-5, atol=1e-6)
+        with Client(instance.endpoint) as client:
+            entry = next(m for m in client.hello()["models"] if m["name"] == "plain")
+        assert entry["outputs"] == [{"name": "output__0", "dtype": "float32", "shape": [-1, 10]}]
+    no_buffer_left()
+
+
 def perf_analyzer_command() -> tuple[list[str], dict]:
     found = perf_analyzer()
     if isinstance(found, str):
@@ -321,7 +344,8 @@ def test_the_readme_curl_example(daemon):
     if curl is None:
         pytest.skip("curl is not installed")
     readme = (ROOT / "README.md").read_text()
-    command = next(line for line in readme.splitlines() if line.startswith("curl ") and "/infer" in line)
+    command = next(line for line in readme.splitlines()
+                   if line.startswith("curl ") and "/v2/models/mlp/infer" in line)
     command = command.replace("localhost:8000", gateway_row(daemon)["http"])
     done = subprocess.run(["bash", "-c", command + " -w '\\n%{http_code}'"], capture_output=True,
                           text=True, timeout=60)

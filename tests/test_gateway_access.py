@@ -47,7 +47,7 @@ def expected() -> np.ndarray:
 
 
 def modelwarden_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "modelwarden.supervisor.cli", *args],
+    return subprocess.run([sys.executable, "-m", "modelwarden.cli", *args],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from modelwarden.shared.client import Client, ShuttingDown, WorkerDied
+from modelwarden.client.client import Client, ShuttingDown, WorkerDied
 from tests.helpers import ROOT, Daemon, alive, faulty_model, poll_until
 
 pytestmark = pytest.mark.slow

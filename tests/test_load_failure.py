@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from modelwarden.shared.client import Client, NoWorker
+from modelwarden.client.client import Client, NoWorker
 from modelwarden.shared.states import EXIT_LOAD_ERROR, EXIT_NAMES
 from tests.faulty import reference
 from tests.helpers import ROOT, Daemon, faulty_model, poll_until
@@ -61,7 +61,7 @@ def test_warm_up_uses_the_probe_input_when_no_inputs_are_declared(tmp_path):
 
 
 def test_stopping_answers_requests_no_worker_could_serve():
-    from modelwarden.shared.client import ShuttingDown
+    from modelwarden.client.client import ShuttingDown
 
     broken = faulty_model("later", "load_error", backoff_initial=60.0, max_start_failures=10)
     with Daemon([broken]) as daemon:

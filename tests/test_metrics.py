@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from modelwarden.shared.client import BadInput, Client, ModelError, UnknownModel
+from modelwarden.client.client import BadInput, Client, ModelError, UnknownModel
 from modelwarden.shared.config import ConfigError, load_settings
 from tests.faulty import MARKER
 from modelwarden.shared import protocol
@@ -367,7 +367,7 @@ def test_the_loop_server_answers_once_and_closes_an_idle_connection_at_its_deadl
 
 
 class Account:
-    """The descriptor account as the server sees it (supervisor/connections.py's ConnectionGuard)."""
+    """The descriptor account as the server sees it (supervisor/routing/connections.py's ConnectionGuard)."""
 
     def __init__(self) -> None:
         self.budget, self.held = True, 0

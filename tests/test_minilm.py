@@ -3,13 +3,13 @@ mean what the model card says, the shipped probe golden is right, and the daemon
 
 import subprocess
 import sys
-import tomllib
 
 import numpy as np
 import pytest
 import torch
 
 from modelwarden.minilm import PROBE_SENTENCE, available, cosine
+from tests import helpers
 from tests.helpers import ROOT, Daemon, poll_until
 
 pytestmark = pytest.mark.skipif(not available(), reason="needs the examples extra "
@@ -66,19 +66,11 @@ def test_padding_does_not_change_an_embedding(model, tokenizer):
 
 
 def shipped_model(**overrides) -> dict:
-    """examples/minilm.toml's model, its probe files made absolute (the test's config lives
-    elsewhere)."""
-    model = tomllib.loads((ROOT / "examples" / "minilm.toml").read_text())["models"][0]
-    probe = model["probe"]
-    for key in ("input", "golden"):
-        probe[key] = str(ROOT / "examples" / probe[key])
-    model.update(overrides)
-    model["probe"] = {**probe, **overrides.get("probe", {})}
-    return model
+    return helpers.shipped_model('minilm.toml', **overrides)
 
 
 def test_the_shipped_config_serves_embeddings_batches_them_and_its_probe_passes(model, tokenizer):
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
 
     with Daemon([shipped_model(probe={"interval": 0.5})]) as daemon:
         daemon.wait_ready(timeout=180)

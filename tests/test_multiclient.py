@@ -11,9 +11,10 @@ import signal
 import pytest
 import torch
 
-from modelwarden.shared.client import AsyncClient, Client
+from modelwarden.client.client import Client
+from modelwarden.client.connect import connect, connect_async
 from modelwarden.shared.errors import Overloaded, Poison
-from modelwarden.shared.multiclient import MultiClient
+from modelwarden.client.multiclient import MultiClient
 from tests.faulty import reference
 from tests.fleet import (MODEL, FleetKeys, Load, all_running, fleet_daemon, fleet_model,
                          kill_and_restart_under_load, served)
@@ -38,16 +39,21 @@ def endpoints(daemons) -> list[str]:
 
 
 def test_one_endpoint_stays_the_single_client(keys, monkeypatch):
-    assert type(Client("tcp://127.0.0.1:1", **keys.alice())) is Client
+    assert type(connect("tcp://127.0.0.1:1", **keys.alice())) is Client
+    assert type(connect(["tcp://127.0.0.1:1"], **keys.alice())) is Client
     assert type(Client(["tcp://127.0.0.1:1"], **keys.alice())) is Client
     monkeypatch.setenv("MODELWARDEN_ENDPOINT", "tcp://127.0.0.1:1, tcp://127.0.0.1:2")
-    with Client(**keys.alice()) as client:
+    with connect(**keys.alice()) as client:
         assert type(client) is MultiClient
         assert client.endpoints == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
+    with pytest.warns(DeprecationWarning, match=r"modelwarden\.connect\(endpoints\)"):
+        client = Client(**keys.alice())  # several endpoints through Client: still served
+    with client:
+        assert type(client) is MultiClient
 
 
 def test_requests_spread_over_both_daemons_sync_and_async(pair, keys):
-    with Client(endpoints(pair), **keys.alice()) as client:
+    with connect(endpoints(pair), **keys.alice()) as client:
         assert client.hello()["models"][0]["name"] == MODEL
         both_up(client)
         xs = [torch.randn(3, 8) for _ in range(40)]
@@ -56,7 +62,7 @@ def test_requests_spread_over_both_daemons_sync_and_async(pair, keys):
             assert torch.allclose(future.result(60), reference(x), rtol=1e-4, atol=1e-5)
 
     async def main():
-        async with AsyncClient(",".join(endpoints(pair)), **keys.alice()) as client:
+        async with connect_async(",".join(endpoints(pair)), **keys.alice()) as client:
             await asyncio.to_thread(both_up, client)
             return await asyncio.gather(*(client.infer(MODEL, x) for x in xs))
 
@@ -68,7 +74,7 @@ def test_requests_spread_over_both_daemons_sync_and_async(pair, keys):
 
 
 def test_sigkill_one_daemon_under_load_fails_nothing_and_a_restart_takes_load_again(pair, keys):
-    with Client(endpoints(pair), timeout=30.0, **keys.alice()) as client:
+    with connect(endpoints(pair), timeout=30.0, **keys.alice()) as client:
         load = Load(client, threads=4)
         with load:
             def stop_load() -> dict:
@@ -83,7 +89,7 @@ def test_sigkill_one_daemon_under_load_fails_nothing_and_a_restart_takes_load_ag
 def test_a_silent_daemon_is_down_after_its_heartbeats_and_up_once_it_answers(pair, keys):
     """SIGSTOP keeps the connection open (the kernel still ACKs): only the heartbeats see it."""
     silent, other = pair
-    with Client(endpoints(pair), timeout=30.0, heartbeat_interval=0.2, heartbeat_timeout=1.0,
+    with connect(endpoints(pair), timeout=30.0, heartbeat_interval=0.2, heartbeat_timeout=1.0,
                 **keys.alice()) as client:
         both_up(client)
         silent.process.send_signal(signal.SIGSTOP)
@@ -115,7 +121,7 @@ def test_overloaded_from_one_daemon_tries_the_other(keys):
         with Client(daemons[0].tcp, **keys.alice()) as alone:  # the control: it does refuse
             outcomes = burst(alone, x, 8)
         assert any(isinstance(outcome, Overloaded) for outcome in outcomes), outcomes
-        with Client(endpoints(daemons), **keys.alice()) as client:
+        with connect(endpoints(daemons), **keys.alice()) as client:
             both_up(client)
             outcomes = burst(client, x, 8)
         assert all(isinstance(outcome, torch.Tensor) for outcome in outcomes), outcomes
@@ -132,7 +138,7 @@ def test_every_daemon_overloaded_fails_with_overloaded(keys):
             daemon.start()
         for daemon in daemons:
             daemon.wait_ready()
-        with Client(endpoints(daemons), **keys.alice()) as client:
+        with connect(endpoints(daemons), **keys.alice()) as client:
             both_up(client)
             outcomes = burst(client, torch.randn(2, 8), 12)
         kinds = {type(outcome).__name__ for outcome in outcomes}
@@ -150,7 +156,7 @@ def test_a_request_whose_two_daemons_die_is_poison_and_not_sent_a_third_time(key
             daemon.start()
         for daemon in daemons:
             daemon.wait_ready()
-        with Client(endpoints(daemons), timeout=60.0, **keys.alice()) as client:
+        with connect(endpoints(daemons), timeout=60.0, **keys.alice()) as client:
             both_up(client)
             future = client.submit(MODEL, torch.randn(2, 8))
             first = poll_until(lambda: holder(daemons), 30, message="a daemon holding the request")
@@ -200,7 +206,7 @@ def test_several_ipc_daemons_use_shared_memory_each(keys):
             daemon.start()
         for daemon in daemons:
             daemon.wait_ready()
-        with Client([daemon.endpoint for daemon in daemons]) as client:
+        with connect([daemon.endpoint for daemon in daemons]) as client:
             both_up(client)
             xs = [torch.randn(8192, 8) for _ in range(8)]  # 256 KiB: over the shm threshold
             futures = [client.submit(MODEL, x, details=True) for x in xs]

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from modelwarden.supervisor.health import EXIT_MODEL_FATAL
+from modelwarden.shared.states import EXIT_MODEL_FATAL
 from tests.helpers import (Daemon, alive, children_of, cmdline, faulty_model, poll_until,
                            rewrite_config)
 

@@ -6,7 +6,9 @@ The test builds the real wheel, installs it into a fresh virtualenv beside both 
 PyPI), and serves a model from that virtualenv. The fresh virtualenv borrows torch and the other
 dependencies from this one through a path entry (a ``.pth`` line is a plain path: the editable
 install's finder in this virtualenv is not activated by it), so nothing of the source tree is
-importable there but through the wheel.
+importable there but through the wheel. There, outside the source tree, ``modelwarden --help``
+and ``python -m modelwarden --help`` answer and the client names import; and the wheel holds
+every package folder of the source, so a sub-package forgotten in pyproject's ``packages`` fails.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -26,15 +29,16 @@ from tests.helpers import ROOT, poll_until, render_config
 pytestmark = pytest.mark.slow
 
 
-def run(command: list, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, **kwargs)
+def run(command: list, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     build = run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                 "--disable-pip-version-check", "-q", "-w", str(out), str(ROOT)])
+                 "--disable-pip-version-check", "-q", "-w", str(out), str(ROOT)],
+                timeout=900)  # it compiles the request path (setup.py): minutes on 2 loaded cores
     assert build.returncode == 0, build.stderr
     (path,) = out.glob("modelwarden-*.whl")
     return path
@@ -76,7 +80,7 @@ def test_the_wheel_holds_only_the_modelwarden_import_name(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
     for module in ("modelwarden/__init__.py", "modelwarden/examples.py", "modelwarden/supervisor/arbiter.py",
-                   "modelwarden/worker/main.py", "modelwarden/shared/client.py"):
+                   "modelwarden/worker/main.py", "modelwarden/client/client.py"):
         assert module in names
 
 
@@ -94,6 +98,57 @@ def test_modelwarden_supervisord_and_pypi_shared_live_side_by_side(venv, tmp_pat
     assert "/venv/" in result.stdout
     version = run([str(venv / "bin" / "modelwarden"), "--version"], cwd=tmp_path)
     assert version.returncode == 0 and "0." in version.stdout + version.stderr
+
+
+def test_the_installed_command_and_python_m_answer_help_and_the_client_names_import(venv, tmp_path):
+    """The two doors into the CLI and the public client names, from the wheel alone (beside
+    supervisord and PyPI's ``shared``), run outside the source tree."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    for command in ([str(venv / "bin" / "modelwarden"), "--help"],
+                    [str(venv / "bin" / "python"), "-m", "modelwarden", "--help"]):
+        answer = run(command, cwd=tmp_path, env=env)
+        assert answer.returncode == 0, f"{command}: {answer.stderr}"
+        assert answer.stdout.startswith("usage: modelwarden") and "serve" in answer.stdout, answer.stdout
+    names = python_in(venv, (
+        "import sys\n"
+        "from modelwarden import Client, AsyncClient, RemoteError\n"
+        "for name in (Client, AsyncClient, RemoteError):\n"
+        "    where = sys.modules[name.__module__].__file__\n"
+        "    assert '/venv/' in where, (name, where)\n"), tmp_path)
+    assert names.returncode == 0, names.stderr
+
+
+def test_the_wheel_installs_the_compiled_request_path(venv, tmp_path):
+    """Outside the source tree, from the wheel alone: every module of the request path is the
+    extension built with it (modelwarden/compiled.py), its source shipped beside it."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = run([str(venv / "bin" / "python"), "-m", "modelwarden.compiled"], cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "request path: compiled (" in result.stdout and "/venv/" not in result.stderr
+
+
+def source_package_folders() -> set[str]:
+    """Where each folder of the source holding .py files lands in the wheel, by pyproject's
+    package-dir mapping (``supervisor/routing`` -> ``modelwarden/supervisor/routing``)."""
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    folders = set()
+    for package, folder in mapping.items():
+        for directory, subdirectories, names in os.walk(ROOT / folder):
+            subdirectories[:] = [name for name in subdirectories if name != "__pycache__"]
+            if any(name.endswith(".py") for name in names):
+                inside = Path(directory).relative_to(ROOT / folder).parts
+                folders.add("/".join((*package.split("."), *inside)))
+    return folders
+
+
+def test_the_wheel_holds_every_package_folder_of_the_source(wheel):
+    """A sub-folder missing from pyproject's ``packages`` (a new ``supervisor/routing/``) is
+    left out of the wheel by setuptools, silently: the installed daemon then fails on import."""
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {name.rpartition("/")[0] for name in archive.namelist() if name.endswith(".py")}
+    expected = source_package_folders()
+    assert expected - shipped == set(), "package folders missing from the wheel (pyproject's packages?)"
+    assert shipped - expected == set(), "folders in the wheel that no package-dir mapping names"
 
 
 def test_serving_from_the_wheel_survives_uninstalling_supervisord(venv, tmp_path):

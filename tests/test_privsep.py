@@ -25,19 +25,19 @@ import pytest
 import zmq
 
 from modelwarden.shared import protocol, rawconfig, trustdir
-from modelwarden.shared.client import Client, control_request
+from modelwarden.client.client import Client, control_request
 from modelwarden.shared.config import load_settings
-from modelwarden.shared.ipcaccess import NoDaemon
-from modelwarden.shared.session import Session
+from modelwarden.client.ipcaccess import NoDaemon
+from modelwarden.client.session import Session
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor import runtime
 from modelwarden.supervisor.arbiter import Arbiter
-from modelwarden.supervisor.handle import WorkerHandle
-from modelwarden.supervisor.runtime import DaemonError
-from modelwarden.supervisor.workerauth import WARN_EVERY_S, BackendGate
+from modelwarden.supervisor.fleet.handle import WorkerHandle
+from modelwarden.shared.process import DaemonError
+from modelwarden.supervisor.fleet.workerauth import WARN_EVERY_S, BackendGate
 from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config, temporary_user
 
-EXIT_DAEMON_ERROR = 1  # supervisor/cli.py: a DaemonError (runtime directory, lock, endpoint)
+EXIT_DAEMON_ERROR = 1  # modelwarden/cli.py: a DaemonError (runtime directory, lock, endpoint)
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="creates a user and a group: needs root")
 
@@ -264,7 +264,7 @@ class _Clock:
 def test_gate_warns_once_a_minute_per_identity(caplog):
     clock = _Clock()
     gate = BackendGate(clock)
-    with caplog.at_level("WARNING", logger="modelwarden.supervisor.workerauth"):
+    with caplog.at_level("WARNING", logger="modelwarden.supervisor.fleet.workerauth"):
         for _ in range(5):
             gate.refuse(b"a" * 16, "unknown identity")
         gate.refuse(b"b" * 16, "unknown identity")
@@ -501,7 +501,7 @@ def test_a_hello_naming_a_buffer_socket_in_a_squatted_dir_is_refused(tmp_path, o
 
 
 CLI = ("import site, sys; site.addsitedir(sys.argv[1]); "
-       "from modelwarden.supervisor.cli import main; sys.exit(main(sys.argv[2:]))")
+       "from modelwarden.cli import main; sys.exit(main(sys.argv[2:]))")
 HOLD_THE_LOCK = ("import fcntl, sys; f = open(sys.argv[1]); print('opened', flush=True); "
                  "fcntl.flock(f, fcntl.LOCK_SH); print('locked', flush=True); sys.stdin.read()")
 
@@ -581,7 +581,7 @@ def test_a_module_planted_in_the_daemons_cwd_never_runs_in_a_worker(tmp_path, fo
     import torch
 
     from modelwarden.examples import make_mlp
-    from modelwarden.supervisor.versions import VersionBook
+    from modelwarden.supervisor.fleet.versions import VersionBook
 
     models, planted, marker = tmp_path / "models", tmp_path / "cwd", tmp_path / "planted-ran"
     models.mkdir()

@@ -9,7 +9,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from modelwarden.shared import protocol
-from modelwarden.shared.client import BadInput, Client, Overloaded, Timeout
+from modelwarden.client.client import BadInput, Client, Overloaded, Timeout
 from tests.faulty import reference
 from tests.helpers import Daemon, alive, faulty_model, poll_until, probe_files, raw_request
 from tests.load import CapacitySampler, run_load

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from modelwarden.shared import protocol
-from modelwarden.shared.client import Client, RemoteError
+from modelwarden.client.client import Client, RemoteError
 from tests.faulty import reference, weights
 from tests.helpers import (ROOT, Daemon, alive, faulty_model, poll_until, raw_request,
                            rewrite_config)

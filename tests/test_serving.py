@@ -16,7 +16,7 @@ import zmq
 
 from examples.models import make_mlp
 from modelwarden.shared import protocol
-from modelwarden.shared.client import BadInput, BadRequest, Client, UnknownModel
+from modelwarden.client.client import BadInput, BadRequest, Client, UnknownModel
 from modelwarden.shared.cpulist import format_cores
 from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame,
                            join_within, mlp_model, poll_until, raw_request)
@@ -102,7 +102,7 @@ def test_one_client_shared_by_threads_and_futures(daemon):
 def test_async_client(daemon):
     import asyncio
 
-    from modelwarden.shared.client import AsyncClient
+    from modelwarden.client.client import AsyncClient
 
     async def main():
         async with AsyncClient(daemon.endpoint) as client:
@@ -122,7 +122,7 @@ def test_async_client_keeps_64_in_flight_from_one_loop_then_another(daemon):
     (``asyncio.run`` again) moves its reader there."""
     import asyncio
 
-    from modelwarden.shared.client import AsyncClient
+    from modelwarden.client.client import AsyncClient
 
     inputs = [torch.randn(1, 64) for _ in range(64)]
 
@@ -146,7 +146,7 @@ def test_async_client_gives_up_on_a_silent_daemon_and_close_ends_what_still_wait
     import signal
     import time
 
-    from modelwarden.shared.client import GRACE_S, AsyncClient, Timeout
+    from modelwarden.client.client import GRACE_S, AsyncClient, Timeout
 
     with Daemon([mlp_model()]) as daemon:
         daemon.wait_ready()
@@ -326,7 +326,9 @@ def test_client_errors_are_typed(daemon):
         with pytest.raises(BadInput):
             client.infer("mlp", {"y": torch.randn(1, 64)})
         with pytest.raises(TypeError):
-            client.infer("mlp", "not a tensor")
+            client.infer("mlp", object())
+        with pytest.raises(BadInput, match="dtype str, model takes float32"):
+            client.infer("mlp", "a str travels, as a str")  # docs/PROTOCOL.md 5.8
         with pytest.raises(BadRequest) as info:  # the daemon's own verdict, carried by the type
             client.infer("mlp", torch.zeros(0, 2**25, 2**25, dtype=torch.uint8))
         assert info.value.code == "BAD_REQUEST" and "exceeds" in info.value.message
@@ -394,7 +396,7 @@ def test_a_second_daemon_on_the_same_runtime_dir_refuses_to_start(daemon):
 
 
 def test_a_client_without_a_daemon_says_so(tmp_path):
-    from modelwarden.shared.client import Timeout
+    from modelwarden.client.client import Timeout
 
     with Client(f"ipc://{tmp_path}/nothing.sock", timeout=0.5) as client:
         with pytest.raises(Timeout, match="socket file does not exist"):

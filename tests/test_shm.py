@@ -18,9 +18,9 @@ import torch
 import zmq
 
 from modelwarden.shared import fdchannel, protocol, shm
-from modelwarden.shared.client import Client
+from modelwarden.client.client import Client
 from modelwarden.shared.codec import TORCH_DTYPES
-from modelwarden.supervisor.buffers import MAX_BUFFERS_PER_CONNECTION
+from modelwarden.supervisor.routing.buffers import MAX_BUFFERS_PER_CONNECTION
 from tests.helpers import (ROOT, Daemon, cmdline, fd_count, memfd_holders, poll_until,
                            readline_within, shmem_kib, temporary_user)
 
@@ -590,7 +590,7 @@ SHMEM_TOLERANCE_KIB = 96 * 1024
 CLIENT_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {root!r})
-    from modelwarden.shared.client import Client
+    from modelwarden.client.client import Client
     client = Client({endpoint!r})
     x = client.empty({shape!r}); x.fill_(2.0)
     future = client.submit("slow", x)   # in flight when we are killed
@@ -695,7 +695,7 @@ def test_threads_and_futures_share_one_clients_shared_memory(daemon):
 def test_clients_survive_a_daemon_restart():
     import asyncio
 
-    from modelwarden.shared.client import AsyncClient
+    from modelwarden.client.client import AsyncClient
 
     with Daemon([echo("fresh", copy=True)], daemon={"shm_threshold": THRESHOLD}) as daemon:
         daemon.wait_ready()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from modelwarden.shared.client import Client
+from modelwarden.client.client import Client
 from tests.faulty import reference
 from tests.helpers import Daemon, alive, faulty_model, poll_until, probe_files, rewrite_config
 from tests.load import run_load, sigkill_storm

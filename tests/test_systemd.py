@@ -206,7 +206,7 @@ CLIENT = """
 import torch
 from modelwarden import Client
 from modelwarden.examples import make_mlp
-from modelwarden.shared.client import control_request
+from modelwarden.client.client import control_request
 x = torch.randn(512, 64)  # 128 KiB: over shm_threshold, so it travels in a memfd
 with Client("ipc:///run/modelwarden/frontend.sock", timeout=30) as client:
     y = client.infer("mlp", x)

@@ -1,11 +1,11 @@
-"""The multi-endpoint policy (shared/balancer.py) with a fake clock: health, least outstanding,
+"""The multi-endpoint policy (client/balancer.py) with a fake clock: health, least outstanding,
 once-only re-sends, refusals that try another daemon."""
 
 from __future__ import annotations
 
 import pytest
 
-from modelwarden.shared.balancer import Balancer, Health, Next
+from modelwarden.client.balancer import Balancer, Health, Next
 
 A, B, C = "tcp://a:5555", "tcp://b:5555", "tcp://c:5555"
 

@@ -4,14 +4,19 @@ import collections
 
 from modelwarden.shared.config import BatchingConfig
 from modelwarden.shared.protocol import InferRequest, TensorDesc
-from modelwarden.supervisor import batching
-from modelwarden.supervisor.requests import Request
+from modelwarden.supervisor.routing import batching
+from modelwarden.supervisor.routing.requests import Request
 
 
 def parsed(*shapes, dtype="float32", tree=None) -> InferRequest:
     descs = [TensorDesc(dtype, tuple(shape), 0, frame=index) for index, shape in enumerate(shapes)]
     return InferRequest(1, "m", tree if tree is not None else list(range(len(shapes))), descs,
                         None, None)
+
+
+DIM0, DIM1 = BatchingConfig(), BatchingConfig(dim=1)
+TEXT_BUCKETS = BatchingConfig(max_size=8, buckets=[16, 32, 64], pad={"ids": 0},
+                              bytes_per_token=4.0)
 
 
 def request(rid: int, key=("k",), rows: int = 1, arrived: float = 0.0, deadline: float = 100.0,
@@ -22,20 +27,22 @@ def request(rid: int, key=("k",), rows: int = 1, arrived: float = 0.0, deadline:
 
 
 def test_signature_ignores_the_batch_dimension_only():
-    a, rows_a = batching.signature(parsed([2, 8], [2, 3]), 0)
-    b, rows_b = batching.signature(parsed([5, 8], [5, 3]), 0)
+    a, rows_a = batching.signature(parsed([2, 8], [2, 3]), DIM0)
+    b, rows_b = batching.signature(parsed([5, 8], [5, 3]), DIM0)
     assert a == b and (rows_a, rows_b) == (2, 5)
-    assert batching.signature(parsed([2, 8], [2, 4]), 0)[0] != a  # another non-batch dim
-    assert batching.signature(parsed([2, 8], [2, 3], dtype="float64"), 0)[0] != a
-    assert batching.signature(parsed([2, 8], [2, 3], tree={"dict": {"a": 0, "b": 1}}), 0)[0] != a
-    assert batching.signature(parsed([3, 2, 8]), 1)[1] == 2  # dim 1
+    assert batching.signature(parsed([2, 8], [2, 4]), DIM0)[0] != a  # another non-batch dim
+    assert batching.signature(parsed([2, 8], [2, 3], dtype="float64"), DIM0)[0] != a
+    assert batching.signature(parsed([2, 8], [2, 3], tree={"dict": {"a": 0, "b": 1}}), DIM0)[0] != a
+    assert batching.signature(parsed([3, 2, 8]), DIM1)[1] == 2  # dim 1
 
 
 def test_requests_that_cannot_be_split_have_no_signature():
-    assert batching.signature(parsed([2, 8], [3, 8]), 0) is None  # disagree on rows
-    assert batching.signature(parsed([]), 0) is None  # a 0-d tensor has no batch dimension
-    assert batching.signature(parsed([4]), 1) is None
-    assert batching.signature(parsed(), 0) is None  # no tensors at all
+    assert batching.signature(parsed([2, 8], [3, 8]), DIM0) is None  # disagree on rows
+    assert batching.signature(parsed([]), DIM0) is None  # a 0-d tensor has no batch dimension
+    assert batching.signature(parsed([4]), DIM1) is None
+    assert batching.signature(parsed(), DIM0) is None  # no tensors at all
+    for element in ("str", "bytes"):  # str/bytes become tensors only in a handler's preprocess
+        assert batching.signature(parsed([4], dtype=element), DIM0) is None
 
 
 def test_pick_takes_compatible_requests_in_order_up_to_the_caps():
@@ -85,3 +92,30 @@ def test_stats_count_batches_and_sizes():
     view = stats.view()
     assert view == {"batches": 4, "requests": 25, "mean_size": 6.25, "max_size": 16,
                     "histogram": {"1": 1, "4": 2, "16": 1}}
+
+
+def test_buckets_key_a_padded_input_by_the_bucket_of_its_length_not_its_size():
+    named = {"dict": {"ids": 0, "scale": 1}}
+    short, rows = batching.signature(parsed([1, 10], [1, 3], tree=named), TEXT_BUCKETS)
+    assert rows == 1
+    assert batching.signature(parsed([2, 15], [2, 3], tree=named), TEXT_BUCKETS)[0] == short
+    assert batching.signature(parsed([1, 17], [1, 3], tree=named), TEXT_BUCKETS)[0] != short
+    # past the last edge: the last bucket (the worker truncates or refuses)
+    assert (batching.signature(parsed([1, 500], [1, 3], tree=named), TEXT_BUCKETS)[0]
+            == batching.signature(parsed([1, 64], [1, 3], tree=named), TEXT_BUCKETS)[0])
+    # an input not named in pad still must agree on every non-batch dimension
+    assert batching.signature(parsed([1, 10], [1, 4], tree=named), TEXT_BUCKETS)[0] != short
+    # without buckets a length difference is a shape difference
+    assert (batching.signature(parsed([1, 10], tree={"dict": {"ids": 0}}), DIM0)[0]
+            != batching.signature(parsed([1, 11], tree={"dict": {"ids": 0}}), DIM0)[0])
+
+
+def test_a_handlers_text_requests_are_keyed_by_their_longest_element_in_tokens():
+    def text(count: int, longest: int):
+        desc = TensorDesc("str", (count,), 4 * count + longest, frame=0, longest=longest)
+        return InferRequest(1, "m", 0, [desc], None, None)
+
+    key, rows = batching.signature(text(3, 40), TEXT_BUCKETS, handler=True)
+    assert rows == 3
+    assert batching.signature(text(9, 64), TEXT_BUCKETS, handler=True)[0] == key  # 16 tokens
+    assert batching.signature(text(1, 65), TEXT_BUCKETS, handler=True)[0] != key  # 17 tokens

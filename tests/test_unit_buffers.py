@@ -1,4 +1,4 @@
-"""Unit tests of the buffer registry (supervisor/buffers.py) and the channel framing
+"""Unit tests of the buffer registry (supervisor/routing/buffers.py) and the channel framing
 (shared/fdchannel.py): real memfds and a real socket pair, no daemon."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from modelwarden.shared import fdchannel, protocol, shm
 from modelwarden.shared.protocol import BAD_REQUEST, BUFFER_NOT_REGISTERED, ProtocolError
-from modelwarden.supervisor.buffers import BufferRegistry, Peer
+from modelwarden.supervisor.routing.buffers import BufferRegistry, Peer
 
 
 def sealed(size: int = 65536) -> int:

@@ -369,3 +369,148 @@ def test_copy_into_writes_exact_bytes(name, parallel):
     view = np.zeros(tensor.nbytes, dtype=np.uint8)
     copy_into(view, tensor, dtype, parallel=parallel)
     assert torch.equal(from_bytes(view, dtype, tuple(tensor.shape)), tensor.detach().resolve_conj())
+
+
+# -- str/bytes elements ----------------------------------------------------------------------------
+
+from modelwarden.shared.codec import ElementList, Elements, decode_elements, elements, flatten  # noqa: E402
+from modelwarden.shared.protocol import BAD_REQUEST, parse_tensors  # noqa: E402
+
+
+def payload_of(items: list[bytes]) -> bytes:
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
+def round_trip(value):
+    encoded = encode(value, inline_only)
+    tensors = parse_reply_tensors(encoded.descs, encoded.frames)
+    return encoded, [frame_tensor(desc, encoded.frames) for desc in tensors]
+
+
+@pytest.mark.parametrize("value, dtype, shape", [
+    ("héllo", "str", []),
+    (b"\x00\xff", "bytes", []),
+    (["a", "bcd", ""], "str", [3]),
+    (("a", "b"), "str", [2]),
+    ([b"x", b""], "bytes", [2]),
+    ([["a", "b"], ["c", "d"], ["e", "f"]], "str", [3, 2]),
+    (np.array(["x", "yy"]), "str", [2]),
+    (np.array([[b"q"], [b"rs"]]), "bytes", [2, 1]),
+    (np.array(["a", "bé"], dtype=object), "str", [2]),
+    (np.array([b"a", b"b\x00"], dtype=object), "bytes", [2]),  # object arrays keep NULs
+])
+def test_element_leaves_travel_as_one_descriptor(value, dtype, shape):
+    encoded, (decoded,) = round_trip(value)
+    assert encoded.tree == 0
+    (desc,) = encoded.descs
+    assert (desc["dtype"], desc["shape"]) == (dtype, shape)
+    flat = np.array(value, dtype=object).reshape(-1).tolist() if shape else [value]
+    raw = [item.encode() if isinstance(item, str) else item for item in flat]
+    assert bytes(encoded.frames[0]) == payload_of(raw)
+    assert desc["nbytes"] == len(payload_of(raw)) and desc["longest"] == max(map(len, raw))
+    expected = np.array(value, dtype=object).tolist() if shape else value
+    assert decoded == expected
+    if shape:
+        assert isinstance(decoded, ElementList) and decoded.shape == tuple(shape)
+        assert decoded.dtype == dtype
+
+
+def test_what_is_not_one_element_leaf():
+    leaves: list = []
+    # mixed str and bytes, ragged nests and an empty list are not one leaf
+    assert flatten(["a", b"b"], leaves) == [0, 1]
+    assert flatten([["a", "b"], ["c"]], leaves) == [2, 3]
+    assert flatten([], leaves) == []
+    assert [leaf.shape for leaf in leaves] == [(), (), (2,), (1,)]
+    # a tuple of lists is a tuple of inputs; dicts name them
+    assert flatten((["a"], ["b", "c"]), []) == {"tuple": [0, 1]}
+    assert flatten({"q": ["a"], "x": torch.ones(1)}, leaves := []) == {"dict": {"q": 0, "x": 1}}
+    assert isinstance(leaves[0], Elements) and isinstance(leaves[1], torch.Tensor)
+    with pytest.raises(TypeError):
+        encode(np.array(["a", 1], dtype=object), inline_only)
+    with pytest.raises(TypeError):
+        encode(np.array([], dtype=object), inline_only)
+
+
+def test_encode_refuses_elements_past_the_limits():
+    with pytest.raises(TypeError, match="65536"):
+        encode([""] * (protocol.MAX_ELEMENTS + 1), inline_only)
+    with pytest.raises(TypeError, match="at most"):
+        encode([b"x" * protocol.MAX_ELEMENT_BYTES], inline_only)
+    with pytest.raises(TypeError, match="UTF-8"):
+        encode(["\ud800"], inline_only)  # a lone surrogate has no UTF-8 form
+
+
+def test_elements_go_in_shared_memory_when_placed_there():
+    seen = []
+
+    def place(tensor, dtype, nbytes):
+        seen.append((tensor.dtype, dtype, nbytes, bytes(tensor.numpy())))
+        return TOKEN, 64, nbytes
+
+    encoded = encode(["ab", "c"], place)
+    assert encoded.frames == []
+    assert encoded.descs == [{"dtype": "str", "shape": [2], "nbytes": 11, "longest": 2,
+                              "shm": [TOKEN, 64, 11]}]
+    assert seen == [(torch.uint8, "uint8", 11, payload_of([b"ab", b"c"]))]
+
+
+def desc_of(dtype: str, shape: list, payload: bytes, longest: int | None = None) -> TensorDesc:
+    count = int(np.prod(shape))
+    if longest is None:
+        longest = max(0, len(payload) - 4 * count)  # a bound the header checks accept
+    return TensorDesc(dtype, tuple(shape), len(payload), frame=0, longest=longest)
+
+
+def refused(dtype, shape, payload, longest=None) -> str:
+    with pytest.raises(ProtocolError) as info:
+        decode_elements(payload, desc_of(dtype, shape, payload, longest))
+    assert info.value.code == BAD_REQUEST
+    return info.value.message
+
+
+def test_decode_elements_is_strict():
+    good = payload_of([b"ab", b"cde"])
+    assert decode_elements(good, desc_of("bytes", [2], good, 3)) == [b"ab", b"cde"]
+    assert decode_elements(good, desc_of("str", [1, 2], good, 3)) == [["ab", "cde"]]
+    # the declared count: fewer elements than the payload holds leaves trailing bytes
+    assert "bytes after the last of its 1" in refused("bytes", [1], good, 2)
+    # more declared than there are: a prefix past the end
+    assert "element 2: its length prefix lies past the end" in refused("bytes", [3], good)
+    # a prefix whose length runs past the end
+    lying = payload_of([b"ab"]) + (100).to_bytes(4, "little") + b"cde"
+    assert "element 1: 100 bytes" in refused("bytes", [2], lying)
+    # trailing bytes
+    assert "1 bytes after" in refused("bytes", [2], good + b"\x00")
+    # a half prefix at the end
+    assert "element 2" in refused("bytes", [3], good + b"\x00\x00")
+    # UTF-8 where str is declared (bytes takes anything)
+    bad_utf8 = payload_of([b"ok", b"\xc3\x28"])
+    assert "element 1 is not valid UTF-8" in refused("str", [2], bad_utf8, 2)
+    assert decode_elements(bad_utf8, desc_of("bytes", [2], bad_utf8, 2))[1] == b"\xc3\x28"
+    surrogate = payload_of(["\ud800".encode("utf-8", "surrogatepass")])
+    assert "element 0 is not valid UTF-8" in refused("str", [1], surrogate, 3)
+    # the declared longest, both ways
+    assert "declares 'longest' 2" in refused("bytes", [2], good, 2)
+    assert "declares 'longest' 4" in refused("bytes", [2], good, 4)
+
+
+def test_decode_elements_shapes():
+    empty = b""
+    assert decode_elements(empty, desc_of("str", [0], empty, 0)) == []
+    assert decode_elements(empty, desc_of("str", [0, 3], empty, 0)) == []
+    four = payload_of([b""] * 4)
+    assert decode_elements(empty, desc_of("str", [2, 0], empty, 0)) == [[], []]
+    assert decode_elements(four, desc_of("bytes", [2, 1, 2], four, 0)) == [[[b"", b""]], [[b"", b""]]]
+    one = payload_of([b"x"])
+    assert decode_elements(one, desc_of("str", [], one, 1)) == "x"
+    # shared memory hands over a uint8 array
+    assert decode_elements(np.frombuffer(one, np.uint8), desc_of("bytes", [1], one, 1)) == [b"x"]
+
+
+def test_element_descriptors_round_trip_through_the_parser():
+    encoded = encode({"t": ["a"], "b": b"zz"}, inline_only)
+    assert parse_tensors(encoded.descs) == [TensorDesc("str", (1,), 5, frame=0, longest=1),
+                                            TensorDesc("bytes", (), 6, frame=1, longest=2)]
+    assert [wire_desc(desc) for desc in parse_tensors(encoded.descs)] == encoded.descs
+    assert elements("str", (1,), ["é"]).payload == payload_of(["é".encode()])

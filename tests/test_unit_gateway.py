@@ -1,12 +1,12 @@
-"""supervisor/gateway.py without processes: the state table, exit descriptions, the spec."""
+"""supervisor/gatewaykeeper.py without processes: the state table, exit descriptions, the spec."""
 
 from __future__ import annotations
 
 import signal
 
 from modelwarden.shared.config import Settings
-from modelwarden.supervisor import gateway
-from modelwarden.supervisor.gateway import GATEWAY_TRANSITIONS, GatewayState as G
+from modelwarden.supervisor import gatewaykeeper
+from modelwarden.supervisor.gatewaykeeper import GATEWAY_TRANSITIONS, GatewayState as G
 
 
 def test_every_state_has_its_edges_and_a_shutdown_is_final():
@@ -18,22 +18,22 @@ def test_every_state_has_its_edges_and_a_shutdown_is_final():
 
 
 def test_exits_are_described_as_the_workers_are():
-    assert gateway.exit_cause(-signal.SIGKILL) == "SIGKILL"
-    assert gateway.exit_cause(3) == "exit 3 (boot error)"
-    assert gateway.exit_cause(0) == "exit 0 (clean)"
-    assert gateway.exit_cause(77) == "exit 77"
+    assert gatewaykeeper.exit_cause(-signal.SIGKILL) == "SIGKILL"
+    assert gatewaykeeper.exit_cause(3) == "exit 3 (boot error)"
+    assert gatewaykeeper.exit_cause(0) == "exit 0 (clean)"
+    assert gatewaykeeper.exit_cause(77) == "exit 77"
 
 
 def test_the_spec_names_the_ipc_frontend_and_the_daemon_s_message_limit(tmp_path):
     settings = Settings(daemon={"runtime_dir": str(tmp_path), "max_message_bytes": 1234,
                                 "frontend": ["tcp://127.0.0.1:5555", f"ipc://{tmp_path}/f.sock"]},
                         gateway={"grpc": "127.0.0.1:0"})
-    spec = gateway.gateway_spec(settings, 42)
+    spec = gatewaykeeper.gateway_spec(settings, 42)
     assert spec.frontend == f"ipc://{tmp_path}/f.sock" and spec.max_message_bytes == 1234
     assert spec.http is None and spec.grpc == "127.0.0.1:0" and spec.supervisor_pid == 42
-    assert gateway.cannot_run(settings) is None
+    assert gatewaykeeper.cannot_run(settings) is None
     tcp_only = Settings(daemon={"frontend": ["tcp://127.0.0.1:5555"]}, gateway={"grpc": "127.0.0.1:0"})
-    assert "needs an ipc:// frontend" in gateway.cannot_run(tcp_only)
+    assert "needs an ipc:// frontend" in gatewaykeeper.cannot_run(tcp_only)
 
 
 def test_the_spec_carries_the_gateway_s_budgets(tmp_path):
@@ -41,7 +41,7 @@ def test_the_spec_carries_the_gateway_s_budgets(tmp_path):
                                 "frontend": [f"ipc://{tmp_path}/f.sock"]},
                         gateway={"grpc": "127.0.0.1:0", "max_json_bytes": "1KiB",
                                  "identity_share": 0.5})
-    spec = gateway.gateway_spec(settings, 42)
+    spec = gatewaykeeper.gateway_spec(settings, 42)
     assert spec.max_json_bytes == 1024 and spec.identity_share == 0.5
     assert spec.max_bytes_in_flight == 4000 and spec.max_requests_in_flight == 1024
 

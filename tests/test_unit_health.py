@@ -1,4 +1,4 @@
-"""Unit tests of what systemd is told (supervisor/health.py, supervisor/systemd.ServiceReporter):
+"""Unit tests of what systemd is told (supervisor/fleet/health.py, supervisor/systemd.ServiceReporter):
 slots built by hand, a notifier that records instead of sending. The integration tests on a real
 notify socket are in test_notify.py and, under a real systemd, test_systemd.py. The last test
 reads the shipped unit with ``systemd-analyze security --offline`` (when the tool is there)."""
@@ -14,8 +14,8 @@ import pytest
 
 from modelwarden.shared.config import ConfigError, load_settings
 from modelwarden.shared.states import SlotState, WorkerState
-from modelwarden.supervisor.health import Health, model_health
-from modelwarden.supervisor.slot import Slot
+from modelwarden.supervisor.fleet.health import Health, model_health
+from modelwarden.supervisor.fleet.slot import Slot
 from modelwarden.supervisor.systemd import ServiceReporter
 from tests.helpers import ROOT
 

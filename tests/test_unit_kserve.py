@@ -71,7 +71,7 @@ def test_json_tensor_flat_and_nested_and_typed():
 
 
 def test_unknown_datatypes_are_refused_by_name():
-    for datatype in ("FLOAT", "BYTES", "UINT64", 7):
+    for datatype in ("FLOAT", "STRING", "UINT64", 7):
         with pytest.raises(ProtocolError) as caught:
             kserve.check_datatype("x", datatype)
         assert caught.value.code == "BAD_INPUT"
@@ -351,3 +351,68 @@ def test_a_token_is_named_by_its_digest_never_itself():
     assert access.identity(name, "CN=alice", "peer:127.0.0.1") == name
     assert access.identity(None, "CN=alice", "peer:127.0.0.1") == "cert:CN=alice"
     assert access.identity(None, None, "uid:1000") == "uid:1000"
+
+
+# -- BYTES: str/bytes elements ---------------------------------------------------------------------
+
+from modelwarden.shared.codec import Elements  # noqa: E402
+from modelwarden.shared.descriptors import ElementList  # noqa: E402
+
+
+def _prefixed(items: list[bytes]) -> bytes:
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
+def test_bytes_inputs_raw_and_json_become_elements():
+    raw = _prefixed([b"ab", b"", b"\xff"])
+    value = kserve.raw_tensor("t", "BYTES", (3,), raw)
+    assert value == Elements("bytes", (3,), raw, 2)  # the payload passes through as it came
+    assert kserve.json_tensor("t", "BYTES", (1, 2), [["hé", "x"]]) == \
+        Elements("bytes", (1, 2), _prefixed(["hé".encode(), b"x"]), 3)
+    assert kserve.check_datatype("t", "BYTES") == "BYTES"
+    # declared str: the same payload, UTF-8 checked
+    text = kserve.as_declared("t", kserve.json_tensor("t", "BYTES", (1,), ["hé"]), "str")
+    assert text.dtype == "str" and text.payload == _prefixed(["hé".encode()])
+    assert kserve.as_declared("t", value, "bytes") is value
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: kserve.raw_tensor("t", "BYTES", (3,), _prefixed([b"ab", b"c"])), "element 2"),
+    (lambda: kserve.raw_tensor("t", "BYTES", (1,), _prefixed([b"ab", b"c"])), "bytes after"),
+    (lambda: kserve.raw_tensor("t", "BYTES", (1,), b"\x09\0\0\0abc"), "run past the end"),
+    (lambda: kserve.raw_tensor("t", "BYTES", (10**6,), b"\0" * 4 * 10**6), "65536"),
+    (lambda: kserve.json_tensor("t", "BYTES", (10**6,), [""] * 10**6), "65536"),
+    (lambda: kserve.json_tensor("t", "BYTES", (2,), ["a"]), "1 values"),
+    (lambda: kserve.json_tensor("t", "BYTES", (1,), [3]), "not a BYTES value"),
+    (lambda: kserve.json_tensor("t", "BYTES", (1,), ["\ud800"]), "lone surrogate"),
+    (lambda: kserve.json_tensor("t", "BYTES", (1,), ["x" * (64 << 20)]), "at most"),
+    (lambda: kserve.as_declared("t", kserve.raw_tensor("t", "BYTES", (1,), _prefixed([b"\xc3("])),
+                                "str"), "declared str: element 0 is not valid UTF-8"),
+])
+def test_malformed_bytes_inputs_are_bad_input(call, words):
+    with pytest.raises(ProtocolError) as caught:
+        call()
+    assert caught.value.code == "BAD_INPUT" and words in caught.value.message, caught.value.message
+    assert caught.value.message.startswith("input 't'")
+
+
+def test_element_outputs_go_back_as_bytes():
+    flat, keys = kserve.flatten_outputs((torch.ones(2), ElementList([["A"], ["B"]], "str", (2, 1)),
+                                         b"\xff"))
+    assert keys is None
+    assert [kserve.tensor_datatype(item) for item in flat] == ["FP32", "BYTES", "BYTES"]
+    assert [kserve.shape_of(item) for item in flat] == [[2], [2, 1], []]
+    assert kserve.tensor_json(flat[1]) == ["A", "B"]
+    assert bytes(kserve.tensor_bytes(flat[1])) == _prefixed([b"A", b"B"])
+    with pytest.raises(ProtocolError, match="binary data"):
+        kserve.tensor_json(flat[2], "raw")
+    # an empty dimension keeps its shape (the client's ElementList says it)
+    (empty,), _ = kserve.flatten_outputs(ElementList([], "bytes", (0, 3)))
+    assert kserve.shape_of(empty) == [0, 3] and kserve.tensor_json(empty) == []
+
+
+def test_metadata_and_config_say_bytes_for_str_and_bytes_inputs():
+    specs = [{"name": "t", "dtype": "str", "shape": [-1]}, {"name": "b", "dtype": "bytes", "shape": [2]}]
+    assert [item["datatype"] for item in kserve.tensor_metadata(specs, None)] == ["BYTES", "BYTES"]
+    config = kserve.model_config("m", {"inputs": specs, "outputs": []})
+    assert [item["data_type"] for item in config["input"]] == ["TYPE_STRING", "TYPE_STRING"]

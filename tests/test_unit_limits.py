@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from modelwarden.shared.protocol import BAD_REQUEST, OVERLOADED, ProtocolError
-from modelwarden.supervisor.connections import ConnectionGuard, Listener
-from modelwarden.supervisor.limits import MAX_FRAMES, TRACK_EVERY, ReplyLedger, RequestBytes, check_message
+from modelwarden.supervisor.routing.connections import ConnectionGuard, Listener
+from modelwarden.supervisor.routing.limits import MAX_FRAMES, TRACK_EVERY, ReplyLedger, RequestBytes, check_message
 from tests.helpers import poll_until
 
 PEER = (0, b"peer")
@@ -95,7 +95,7 @@ def test_failed_handshakes_are_logged_once_a_minute_per_endpoint(caplog):
     now = [100.0]
     guard = ConnectionGuard(fd_limit=1024, max_connections=None, count_fds=lambda: 10,
                             clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.connections"):
+    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.routing.connections"):
         for _ in range(5):
             guard._handshake_failed("tcp://0.0.0.0:5555")
         guard._handshake_failed("tcp://127.0.0.1:6000")

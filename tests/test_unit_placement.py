@@ -1,4 +1,4 @@
-"""Unit tests of supervisor/placement.py: plan() with an explicit list of available cores."""
+"""Unit tests of supervisor/fleet/placement.py: plan() with an explicit list of available cores."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from modelwarden.shared.config import ConfigError, Settings
-from modelwarden.supervisor.placement import SlotPlacement, plan
+from modelwarden.supervisor.fleet.placement import SlotPlacement, plan
 
 
 def model(name: str = "a", **fields) -> dict:
@@ -116,7 +116,7 @@ def test_a_worker_wider_than_the_machine_is_an_error_even_when_oversubscribing()
 
 
 def test_oversubscription_wraps_core_sets_around(caplog):
-    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.placement"):
+    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.fleet.placement"):
         result = plan(settings(model(workers=3, cores_per_worker=2), oversubscribe=True), cores=[0, 1, 2, 3])
     assert [p.cores for p in result["a"]] == [[0, 1], [2, 3], [0, 1]]
     assert [p.threads for p in result["a"]] == [2, 2, 2]
@@ -133,9 +133,9 @@ def test_oversubscription_spreads_shared_cores_evenly():
 
 
 def test_no_warning_when_it_fits(caplog):
-    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.placement"):
+    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.fleet.placement"):
         plan(settings(model(workers=4), oversubscribe=True), cores=[0, 1, 2, 3])
-    assert not [r for r in caplog.records if r.name == "modelwarden.supervisor.placement"]
+    assert not [r for r in caplog.records if r.name == "modelwarden.supervisor.fleet.placement"]
 
 
 def test_total_cpu_threads_above_cores_cannot_pass_silently():
@@ -163,11 +163,11 @@ def test_gpu_workers_do_not_count_toward_the_cpu_thread_sum(caplog):
                        oversubscribe=True)
     cpu_cfg = settings(model("cpu", workers=2), model("gpu", device="cpu", cores_per_worker=2),
                        oversubscribe=True)
-    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.placement"):
+    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.fleet.placement"):
         result = plan(gpu_cfg, cores=[0, 1])
     assert result["gpu"] == [SlotPlacement([0, 1], 2, "cuda:0")]
     assert not [r for r in caplog.records if "oversubscribed" in r.getMessage()]
-    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.placement"):
+    with caplog.at_level(logging.WARNING, logger="modelwarden.supervisor.fleet.placement"):
         plan(cpu_cfg, cores=[0, 1])
     assert [r for r in caplog.records if "4 threads on 2 available cores" in r.getMessage()]
 

@@ -1,5 +1,5 @@
-"""Unit tests of supervisor/pool.py's restart policy, replacement and routing, and of the slot's
-and the worker's state machines (shared/states.py, supervisor/slot.py), against FakeHost: an
+"""Unit tests of supervisor/fleet/pool.py's restart policy, replacement and routing, and of the slot's
+and the worker's state machines (shared/states.py, supervisor/fleet/slot.py), against FakeHost: an
 implementation of the pool's ``PoolHost`` protocol (no processes, no sockets; a fake clock drives
 real Timers).
 
@@ -22,12 +22,12 @@ from modelwarden.shared.states import (EXIT_LOAD_ERROR, EXIT_OK, EXIT_WARMUP_ERR
                                        SLOT_FOLLOWS, SLOT_TRANSITIONS, WORKER_TRANSITIONS,
                                        IllegalTransition, SlotState, check_transition)
 from modelwarden.shared.states import WorkerState as S
-from modelwarden.supervisor import pool as pool_module
-from modelwarden.supervisor import standby as standby_module
-from modelwarden.supervisor.handle import WorkerHandle
-from modelwarden.supervisor.placement import SlotPlacement
-from modelwarden.supervisor.pool import ModelPool, PoolHost
-from modelwarden.supervisor.probes import ProbeJudge, Verdict
+from modelwarden.supervisor.fleet import pool as pool_module
+from modelwarden.supervisor.fleet import standby as standby_module
+from modelwarden.supervisor.fleet.handle import WorkerHandle
+from modelwarden.supervisor.fleet.placement import SlotPlacement
+from modelwarden.supervisor.fleet.pool import ModelPool, PoolHost
+from modelwarden.supervisor.fleet.probes import ProbeJudge, Verdict
 from modelwarden.supervisor.timers import Timers
 
 SIGKILLED = -9
@@ -646,7 +646,7 @@ def test_least_loaded_ignores_workers_that_are_not_ready(host):
 
 
 def _host_members_used_by_the_pool() -> set[str]:
-    # the pool's standbys (supervisor/standby.py) reach the host through the pool's
+    # the pool's standbys (supervisor/fleet/standby.py) reach the host through the pool's
     return {name for module in (pool_module, standby_module)
             for name in _host_members_used_by(module)}
 

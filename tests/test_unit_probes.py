@@ -1,4 +1,4 @@
-"""Unit tests of supervisor/probes.py: the sentinel's verdicts and the decoding of probe outputs."""
+"""Unit tests of supervisor/fleet/probes.py: the sentinel's verdicts and the decoding of probe outputs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from modelwarden.shared.config import ProbeConfig
-from modelwarden.supervisor.probes import ProbeJudge, decode_outputs, load_golden
+from modelwarden.shared.protocol import ProtocolError
+from modelwarden.supervisor.fleet.probes import ProbeJudge, decode_outputs, load_golden
 
 
 def judge(**config) -> ProbeJudge:
@@ -272,3 +273,20 @@ def test_a_golden_file_holds_every_version_and_a_reload_keeps_recorded_goldens()
     looser = plain.reconfigured(ProbeConfig(atol=1.0), None)
     assert looser.judge(["float32"], [f32(1.5)], 1, None, version="v1").ok
     assert looser.golden_of("v1").arrays[0].tolist() == [1.0]
+
+
+def test_str_outputs_are_judged_by_their_payload():
+    def answer(*texts: bytes):
+        payload = b"".join(len(text).to_bytes(4, "little") + text for text in texts)
+        desc = {"dtype": "str", "shape": [len(texts)], "nbytes": len(payload),
+                "longest": max(map(len, texts)), "frame": 0}
+        return decode_outputs([desc], [zmq.Frame(payload)])
+
+    checker = judge()
+    assert checker.judge(["str"], answer(b"AB", b"C"), 1, None).ok  # recorded as golden
+    assert checker.judge(["str"], answer(b"AB", b"C"), 1, None).ok
+    assert not checker.judge(["str"], answer(b"AB", b"D"), 1, None).ok  # a byte: drift
+    assert not checker.judge(["str"], answer(b"ABC", b"D"), 1, None).ok  # a length: shape
+    with pytest.raises(ProtocolError, match="malformed reply: .*not valid UTF-8") as raised:
+        answer(b"\xff")  # checked as the client would; a worker's bug, so INTERNAL
+    assert raised.value.code == "INTERNAL"

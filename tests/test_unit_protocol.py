@@ -540,3 +540,67 @@ def test_add_to_map_appends_an_entry_without_decoding():
                                       "timing": {"queue_us": 3, "batch": 2}}
     big = protocol.pack({f"k{i}": i for i in range(15)})  # a full fixmap: decoded and re-packed
     assert msgpack.unpackb(protocol.add_to_map(big, "timing", 1))["timing"] == 1
+
+
+def test_the_one_reply_splitter_takes_frames_or_bytes_and_refuses_what_is_not_a_reply():
+    """split_reply serves the client, the control request and the gateway's catalog alike."""
+    from modelwarden.shared.errors import InternalError
+
+    header = protocol.pack({"id": 3, "ok": True})
+    for frames in ([protocol.SIGNATURE, header, b"payload"], [b"", protocol.SIGNATURE, header, b"payload"]):
+        for kind in (bytes, zmq.Frame):
+            got, payload = protocol.split_reply([kind(frame) for frame in frames])
+            assert got == {"id": 3, "ok": True} and [bytes(part) for part in payload] == [b"payload"]
+    for frames in ([b"MDPC99", header], [protocol.SIGNATURE], [b"", header, protocol.SIGNATURE]):
+        with pytest.raises(InternalError, match="malformed reply from the daemon"):
+            protocol.split_reply(frames)
+
+
+# -- str/bytes element descriptors: every check made from the header alone ----------------------
+
+
+def element(**changes) -> dict:
+    desc = {"dtype": "str", "shape": [3], "nbytes": 27, "longest": 11, "frame": 0}
+    desc.update(changes)
+    return {key: value for key, value in desc.items() if value is not None}
+
+
+def test_an_element_descriptor_parses_with_its_sizes():
+    assert parse_tensor_desc(element(), 0, 0) == TensorDesc("str", (3,), 27, frame=0, longest=11)
+    desc = parse_tensor_desc(element(dtype="bytes", frame=None, shm=[SEG, 8, 27]), 0, 0)
+    assert desc == TensorDesc("bytes", (3,), 27, shm=(SEG, 8, 27), longest=11)
+    assert parse_tensor_desc(element(shape=[0], nbytes=0, longest=0), 0, 0).nbytes == 0
+    # a fixed dtype keeps longest None
+    assert parse_tensor_desc({"dtype": "uint8", "shape": [2], "frame": 0}, 0, 0).longest is None
+
+
+def test_the_limits_are_the_contracts():
+    assert protocol.ELEMENT_TYPES == ("str", "bytes")
+    assert protocol.MAX_ELEMENTS == 65536 and protocol.MAX_ELEMENT_BYTES == 64 << 20
+    assert set(protocol.DTYPES).isdisjoint(protocol.ELEMENT_TYPES)
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(nbytes=None), "nbytes"),
+    (dict(longest=None), "longest"),
+    (dict(nbytes=27.0), "nbytes"),
+    (dict(longest=True), "longest"),
+    (dict(nbytes=-1), "nbytes"),
+    (dict(shape=[10**6], nbytes=4 * 10**6, longest=0), "65536"),  # a million empty strings
+    (dict(shape=[0, 70000], nbytes=0, longest=0), "65536"),  # zero dims count as one
+    (dict(shape=[1], nbytes=(1 << 30) + 4, longest=1 << 30), "exceed"),  # one 1 GiB string
+    (dict(nbytes=11), "prefixes"),  # 3 elements need 12 bytes of prefixes
+    (dict(longest=16), "longest"),  # 27 - 12 = 15 bytes for the elements
+    (dict(frame=None, shm=[SEG, 0, 26]), "nbytes"),  # a region of another size
+])
+def test_element_descriptors_refused_from_the_header(changes, words):
+    error = rejected(parse_tensor_desc, element(**changes), 0, 0)
+    assert words in error.message, error.message
+    assert SEG not in error.message
+
+
+def test_an_inline_element_frame_must_hold_nbytes():
+    descs = protocol.parse_tensors([element()])
+    protocol.frame_lengths_match(descs, [b"x" * 27])
+    error = rejected(protocol.frame_lengths_match, descs, [b"x" * 26])
+    assert "nbytes" in error.message

@@ -1,5 +1,5 @@
-"""Unit tests of the shares per identity (supervisor/quotas.py), the registry's byte bounds
-(supervisor/buffers.py) and the descriptor account (supervisor/connections.py): no daemon."""
+"""Unit tests of the shares per identity (supervisor/routing/quotas.py), the registry's byte bounds
+(supervisor/routing/buffers.py) and the descriptor account (supervisor/routing/connections.py): no daemon."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import pytest
 from modelwarden.shared import shm
 from modelwarden.shared.config import DaemonConfig, ModelConfig, Settings
 from modelwarden.shared.protocol import BAD_REQUEST, OVERLOADED, ProtocolError
-from modelwarden.supervisor import identity
-from modelwarden.supervisor.buffers import BufferRegistry, Peer
-from modelwarden.supervisor.connections import MAX_FDS_PER_MESSAGE, ConnectionGuard
-from modelwarden.supervisor.quotas import Quotas, Shares, default_share, shares_from
+from modelwarden.supervisor.routing import identity
+from modelwarden.supervisor.routing.buffers import BufferRegistry, Peer
+from modelwarden.supervisor.routing.connections import MAX_FDS_PER_MESSAGE, ConnectionGuard
+from modelwarden.supervisor.routing.quotas import Quotas, Shares, default_share, shares_from
 
 SHARES = Shares(connections=2, buffers=3, buffer_bytes=3 << 20, requests=2, request_bytes=100)
 

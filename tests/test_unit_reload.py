@@ -1,5 +1,5 @@
-"""Unit tests of supervisor/reload.py (what a new configuration changes, per model) and of
-supervisor/versions.py (model versions computed without importing anything)."""
+"""Unit tests of supervisor/fleet/reload.py (what a new configuration changes, per model) and of
+supervisor/fleet/versions.py (model versions computed without importing anything)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from modelwarden.shared.config import ConfigError, ModelConfig, Settings
-from modelwarden.supervisor import reload
-from modelwarden.supervisor.placement import plan
-from modelwarden.supervisor.versions import VersionBook, find_module_file
+from modelwarden.supervisor.fleet import reload
+from modelwarden.supervisor.fleet.placement import plan
+from modelwarden.supervisor.fleet.versions import VersionBook, find_module_file
 
 
 def model(name: str, **fields) -> dict:

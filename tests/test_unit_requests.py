@@ -1,4 +1,4 @@
-"""Unit tests of supervisor/requests.py: the retry/poison rule and the declared-input check."""
+"""Unit tests of supervisor/routing/requests.py: the retry/poison rule and the declared-input check."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from modelwarden.shared.config import InputSpec
 from modelwarden.shared.protocol import BAD_INPUT, POISON, WORKER_DIED, ProtocolError, TensorDesc
-from modelwarden.supervisor.requests import POISON_AFTER_DEATHS, Request, after_worker_death, check_declared
+from modelwarden.supervisor.routing.requests import POISON_AFTER_DEATHS, Request, after_worker_death, check_declared
 
 
 def request() -> Request:

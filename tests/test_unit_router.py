@@ -1,4 +1,4 @@
-"""Unit tests of supervisor/router.py against FakeRouterHost: an implementation of the router's
+"""Unit tests of supervisor/routing/router.py against FakeRouterHost: an implementation of the router's
 ``RouterHost`` protocol with a fake clock, real Timers, real ModelPools (on the pool tests'
 FakeHost, no processes) and real ZeroMQ sockets over ``inproc://``: a client DEALER talks to a
 frontend ROUTER, and one DEALER per fake worker sits on the backend ROUTER, so every message the
@@ -17,9 +17,9 @@ from modelwarden.shared import protocol
 from modelwarden.shared.config import DaemonConfig, Settings
 from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.shared.sockets import recv_parts
-from modelwarden.supervisor.buffers import BufferRegistry
-from modelwarden.supervisor.quotas import Quotas, Shares, shares_from
-from modelwarden.supervisor.router import Router, RouterHost
+from modelwarden.supervisor.routing.buffers import BufferRegistry
+from modelwarden.supervisor.routing.quotas import Quotas, Shares, shares_from
+from modelwarden.supervisor.routing.router import Router, RouterHost
 from tests.test_unit_pool import FakeHost, exit_with, make_pool, ready
 
 _ports = itertools.count()
@@ -197,7 +197,7 @@ def test_queued_compatible_requests_go_as_one_batch_message(context):
         assert header["id"] == client_id and header["timing"]["batch"] == 3
     alone, frames = rig.worker_receives(worker)
     assert alone["type"] == protocol.RUN and frames == rig.sent[odd]
-    assert rig.router.batches[rig.pool.name].view()["histogram"] == {"1": 2, "3": 1}
+    assert rig.router.services[rig.pool.name].batches.view()["histogram"] == {"1": 2, "3": 1}
 
 
 def test_a_partial_batch_is_held_until_max_delay_after_its_head_arrived(context):
@@ -270,8 +270,8 @@ def test_a_dead_workers_batch_is_retried_one_per_forward_and_poison_ends_alone(c
     exit_with(rig.pool, second, -9)  # ... and it kills this worker too: poison
     header, _ = rig.client_receives()
     assert header["id"] == members[0] and header["error"]["code"] == protocol.POISON
-    assert [request.client_id for request in rig.router.queues[rig.pool.name]] == members[1:]
-    assert all(request.alone for request in rig.router.queues[rig.pool.name])
+    assert [request.client_id for request in rig.router.services[rig.pool.name].queue] == members[1:]
+    assert all(request.alone for request in rig.router.services[rig.pool.name].queue)
 
 
 def test_a_worker_error_reply_is_relayed_unchanged(context):

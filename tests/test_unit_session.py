@@ -1,4 +1,4 @@
-"""Unit tests of the client's request building and reply decoding (shared/session.py), over a real
+"""Unit tests of the client's request building and reply decoding (client/session.py), over a real
 shared-memory arena with no daemon (no channel: buffers are not registered anywhere).
 
 The out region: a request reserves room for the outputs the worker will have to write; an
@@ -18,7 +18,7 @@ import zmq
 
 from modelwarden.shared import protocol
 from modelwarden.shared.errors import InternalError, ModelError
-from modelwarden.shared.session import Session
+from modelwarden.client.session import Session
 from modelwarden.shared.shm import ShmArena
 
 THRESHOLD = 1024

@@ -1,4 +1,4 @@
-"""Standby policy (supervisor/standby.py and the pool's promotion), against FakeHost: no process.
+"""Standby policy (supervisor/fleet/standby.py and the pool's promotion), against FakeHost: no process.
 
 The end-to-end tests (real processes, kills, pinning) are in tests/test_standby.py.
 """
@@ -10,9 +10,9 @@ import pytest
 from modelwarden.shared.config import ModelConfig
 from modelwarden.shared.states import EXIT_LOAD_ERROR, SlotState
 from modelwarden.shared.states import WorkerState as S
-from modelwarden.supervisor.placement import SlotPlacement
-from modelwarden.supervisor.probes import ProbeJudge
-from modelwarden.supervisor.standby import placement_for
+from modelwarden.supervisor.fleet.placement import SlotPlacement
+from modelwarden.supervisor.fleet.probes import ProbeJudge
+from modelwarden.supervisor.fleet.standby import placement_for
 from tests.test_unit_pool import FakeHost, assert_slots_follow, exit_with, make_pool, ready
 
 
@@ -187,7 +187,7 @@ def test_a_standby_on_a_bare_cuda_device_is_promoted_only_into_the_slot_it_was_m
     {"slot": 0, "cores": [0], "threads": 1},
 ])
 def test_a_promotion_that_cannot_be_applied_is_a_placement_error(header):
-    from modelwarden.worker.placement import PlacementError
+    from modelwarden.worker.pinning import PlacementError
     from modelwarden.worker.standby import promote
 
     with pytest.raises(PlacementError, match="bad promotion"):

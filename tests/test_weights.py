@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from modelwarden.examples import make_mlp
-from modelwarden.shared.client import Client
+from modelwarden.client.client import Client
 from modelwarden.shared.config import ConfigError, load_settings
 from modelwarden.worker.weights import (MODES, WeightsError, assign_weights, read_state_dict,
                                         save_safetensors)
@@ -184,7 +184,7 @@ def test_a_worker_writing_to_mapped_weights_changes_only_itself_and_its_probe_ca
 
 def test_the_weights_file_is_part_of_the_derived_version(tmp_path):
     from modelwarden.shared.config import ModelConfig
-    from modelwarden.supervisor.versions import VersionBook
+    from modelwarden.supervisor.fleet.versions import VersionBook
 
     path = write_weights(tmp_path / "w.safetensors", in_features=16, hidden=32, out_features=4)
     model = ModelConfig(name="m", source="python:modelwarden.examples:make_mlp", warmup=0,

@@ -5,6 +5,8 @@ Sources:
   ``export:PATH``           torch.export.load of a .pt2 file; its .module() is called
   ``python:module:callable`` a factory called with the model's ``kwargs``, returning an
                             nn.Module or any callable
+  ``handler:module:Class``  a modelwarden.handler.Handler subclass: built with no arguments,
+                            then ``load(device, threads, **kwargs)``; its hooks do the rest
 Relative paths are relative to the configuration file's directory.
 
 With ``weights_file`` set, the module the source gave takes its parameters and buffers from that
@@ -15,6 +17,8 @@ its device.
 from __future__ import annotations
 
 import importlib
+import json
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -22,8 +26,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from modelwarden.handler import Handler
 from modelwarden.shared.codec import TORCH_DTYPES
 from modelwarden.shared.config import WorkerSpec
+from modelwarden.shared.protocol import ELEMENT_TYPES
 from modelwarden.shared.weightsfile import resolve_weights_file
 from modelwarden.worker.weights import assign_weights, read_state_dict
 
@@ -32,7 +38,7 @@ class LoadError(RuntimeError):
     """The model could not be loaded; the message is shown in ``modelwarden status``."""
 
 
-def load_model(spec: WorkerSpec, device: torch.device) -> Callable:
+def load_model(spec: WorkerSpec, device: torch.device) -> Callable | Handler:
     scheme, _, rest = spec.model.source.partition(":")
     try:
         model = _LOADERS[scheme](rest, spec, device)
@@ -44,7 +50,7 @@ def load_model(spec: WorkerSpec, device: torch.device) -> Callable:
         raise
     except Exception as exc:
         raise LoadError(f"{spec.model.source}: {type(exc).__name__}: {exc}") from exc
-    if not callable(model):
+    if not callable(model) and not isinstance(model, Handler):
         raise LoadError(f"{spec.model.source} gave a {type(model).__name__}, not a callable")
     return model
 
@@ -80,17 +86,32 @@ def _export(rest: str, spec: WorkerSpec, device: torch.device):
 
 
 def _python(rest: str, spec: WorkerSpec, device: torch.device):
+    return _named(rest, spec)(**spec.model.kwargs)
+
+
+def _handler(rest: str, spec: WorkerSpec, device: torch.device) -> Handler:
+    cls = _named(rest, spec)
+    if not (isinstance(cls, type) and issubclass(cls, Handler)):
+        raise LoadError(f"{spec.model.source} is not a subclass of modelwarden.handler.Handler")
+    handler = cls()
+    handler.load(device, torch.get_num_threads(), **spec.model.kwargs)
+    return handler
+
+
+def _named(rest: str, spec: WorkerSpec) -> Any:
+    """``module:attribute.path``, imported from the configured python_path first."""
     module_name, _, attribute = rest.partition(":")
     for entry in reversed(spec.python_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    factory: Any = importlib.import_module(module_name)
+    found: Any = importlib.import_module(module_name)
     for part in attribute.split("."):
-        factory = getattr(factory, part)
-    return factory(**spec.model.kwargs)
+        found = getattr(found, part)
+    return found
 
 
-_LOADERS = {"torchscript": _torchscript, "export": _export, "python": _python}
+_LOADERS = {"torchscript": _torchscript, "export": _export, "python": _python,
+            "handler": _handler}
 
 
 def example_inputs(spec: WorkerSpec, seed: int, device: torch.device) -> tuple:
@@ -99,11 +120,14 @@ def example_inputs(spec: WorkerSpec, seed: int, device: torch.device) -> tuple:
     tensors = []
     for declared in spec.model.inputs or []:
         shape = [1 if dim == -1 else dim for dim in declared.shape]
-        tensors.append(_random(declared.dtype, shape, generator).to(device))
+        value = _random(declared.dtype, shape, generator)
+        tensors.append(value.to(device) if isinstance(value, torch.Tensor) else value)
     return tuple(tensors)
 
 
-def _random(dtype_name: str, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+def _random(dtype_name: str, shape: list[int], generator: torch.Generator) -> Any:
+    if dtype_name in ELEMENT_TYPES:  # str/bytes: short seeded words, as a request brings them
+        return _random_words(dtype_name, shape, generator)
     dtype = TORCH_DTYPES[dtype_name]
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=generator).bool()
@@ -112,12 +136,32 @@ def _random(dtype_name: str, shape: list[int], generator: torch.Generator) -> to
     return torch.randint(0, 16, shape, generator=generator).to(dtype)
 
 
-def probe_inputs(spec: WorkerSpec, device: torch.device) -> tuple:
-    """The sentinel's input: a file (.npy, .npz, .pt) or seeded random inputs of the spec."""
+def _random_words(dtype_name: str, shape: list[int], generator: torch.Generator) -> Any:
+    count = math.prod(shape)
+    codes = torch.randint(ord("a"), ord("z") + 1, (count, 8), generator=generator).tolist()
+    words = ["".join(map(chr, word)) for word in codes]
+    flat = words if dtype_name == "str" else [word.encode() for word in words]
+    return np.array(flat, dtype=object).reshape(shape).tolist() if shape else flat[0]
+
+
+def probe_value(spec: WorkerSpec, device: torch.device) -> Any:
+    """The sentinel's request: a file or seeded random inputs of the spec. A .json file holds a
+    request's inputs as a client would send them (a handler's texts, say); .npy, .npz and .pt
+    hold tensors, passed positionally."""
     path = spec.model.probe.input
     if path is None:
         return example_inputs(spec, spec.model.probe.seed, device)
-    return tuple(tensor.to(device) for tensor in load_tensor_file(_resolve(spec, str(path))))
+    resolved = _resolve(spec, str(path))
+    if resolved.suffix == ".json":
+        return json.loads(resolved.read_text())
+    return tuple(tensor.to(device) for tensor in load_tensor_file(resolved))
+
+
+def example_value(spec: WorkerSpec, device: torch.device) -> Any:
+    """The warm-up's request: seeded inputs of the declared spec, else the probe's input."""
+    if spec.model.inputs and not spec.model.source.startswith("handler:"):
+        return example_inputs(spec, 0, device)
+    return probe_value(spec, device)
 
 
 def load_tensor_file(path: Path) -> list[torch.Tensor]:

@@ -86,7 +86,7 @@ class SegmentMaps:
     def _take(self, message: dict | None, fds: list[int]) -> None:
         tokens = (message or {}).get("tokens") or []
         sizes = (message or {}).get("sizes") or []
-        if (message or {}).get("type") != "buffers" or not len(tokens) == len(sizes) == len(fds):
+        if (message or {}).get("type") != fdchannel.HAND_OVER or not len(tokens) == len(sizes) == len(fds):
             logger.error("buffer pair: dropping a malformed message")
             fdchannel.close_all(fds)
             return

@@ -9,37 +9,11 @@ case where it is stuck in ``forward``).
 Buffer descriptors come on a second channel, the worker's private SEQPACKET socket pair (see
 ``worker/segments.py``); it is in the poller too, so it is drained while idle.
 
-Messages on the backend socket (a DEALER; the supervisor's ROUTER adds our identity). It is
-internal, so it carries no signature frame: one frame fewer per message on the hot path.
-
-  supervisor -> worker (the type names are constants in shared/protocol.py)
-    [{"type": "run", "rid": N}, client_header, payload...]   a client's infer request
-    [{"type": "run", "rid": N, "probe": true}]                the sentinel probe
-    [{"type": "batch", "rids": [N1, N2, ...], "frames": [F1, F2, ...]},
-     client_header1, payload1..., client_header2, payload2...]
-          requests for one forward pass: member i has Fi frames (its header and payload)
-    [{"type": "forget", "tokens": [...]}]                     unmap revoked client buffers
-    [{"type": "stop"}]                                        exit 0 (sent once drained)
-    [{"type": "promote", "slot": I, "generation": G, "cores": [...], "threads": T}]
-          to a standby only (worker/standby.py): take that slot, re-pin, then say READY
-  worker -> supervisor
-    [{"type": "hello", "secret": <32 bytes>}]              first, right after connect: the spawn
-          secret from our WorkerSpec; until it is accepted the supervisor drops everything we
-          send (see supervisor/workerauth.py)
-    [{"type": "state", "state": "LOADING"|"WARMING"|"STANDBY"|"READY", "info": {...}}]
-          info: LOADING: pid, device, cores, threads, interop_threads
-                STANDBY: cores, threads, probe_baseline_us (a standby, warmed up)
-                READY: device, cores, threads, interop_threads, probe_baseline_us
-    [{"type": "failed", "stage": "boot"|"load"|"warmup", "message": str}]   then exits
-    [{"type": "heartbeat", "cuda_bytes": N}]                cuda_bytes on GPU workers only
-    [{"type": "result", "rid": N, "ok": true, "compute_us": N, "batch": SIZE}, reply, payload...]
-          a probe's answer on a GPU worker adds "cuda_bytes": the CUDA memory held right after it
-    [{"type": "result", "rid": N, "ok": false, "code": CODE}, reply]
-          one per request (a batch is answered member by member). ``reply`` is the client's
-          reply header, written here (protocol.py "Reply", with "worker" and "version", without
-          "timing"):
-          the supervisor relays it as it is, appending only "timing" to the packed map.
-          ``compute_us`` is the whole forward pass's time, ``batch`` its number of requests.
+The messages on the backend socket (a DEALER; the supervisor's ROUTER adds our identity) are
+specified in docs/PROTOCOL.md, Appendix A, and named by the constants of shared/protocol.py. The
+backend is internal, so its messages carry no signature frame: one frame fewer per message on
+the hot path. A result carries the client's reply header, written here; the supervisor relays it
+as it is, appending only "timing" to the packed map.
 """
 
 from __future__ import annotations
@@ -47,28 +21,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import zmq
 
 from modelwarden.shared import protocol
-from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite, encode_leaves,
-                                      flatten, from_bytes, reply_placement, unflatten)
+from modelwarden.handler import BadInput
+from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite, decode_elements,
+                                      encode_leaves, from_bytes, reply_placement)
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
 from modelwarden.shared.shm import ALIGN, Segment
 from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.states import EXIT_OK, EXIT_ORPHANED
 from modelwarden.worker.hostpin import HostPinner
+from modelwarden.worker.pipeline import Member, Outputs, Pipeline
 from modelwarden.worker.segments import SegmentMaps
 
 logger = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 2000
 
 
-class Channel:
-    """The worker's end of the backend socket."""
+class BackendLink:
+    """The worker's link to the supervisor: its end of the backend socket (a DEALER)."""
 
     def __init__(self, socket: zmq.Socket) -> None:
         self.socket = socket
@@ -90,14 +66,15 @@ class Channel:
 
 
 class WorkerServer:
-    def __init__(self, spec: WorkerSpec, model: Callable, device: torch.device, channel: Channel,
-                 parent_sentinel: int | None, probe_args: tuple, buffer_pair=None) -> None:
+    def __init__(self, spec: WorkerSpec, pipeline: Pipeline, device: torch.device,
+                 link: BackendLink, parent_sentinel: int | None, probe_value: Any,
+                 buffer_pair=None) -> None:
         self.spec = spec
-        self.model = model
+        self.pipeline = pipeline
         self.device = device
-        self.channel = channel
+        self.link = link
         self.parent_sentinel = parent_sentinel
-        self.probe_args = probe_args
+        self.probe_value = probe_value  # the probe's request: tensors, or a handler's inputs
         self.segments = SegmentMaps(buffer_pair, HostPinner.for_device(device),
                                     budget=spec.max_mapped_bytes)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -113,7 +90,7 @@ class WorkerServer:
 
     def _loop(self) -> int:
         poller = zmq.Poller()
-        poller.register(self.channel.socket, zmq.POLLIN)
+        poller.register(self.link.socket, zmq.POLLIN)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel, zmq.POLLIN)
         pair = self.segments.pair.fileno() if self.segments.pair is not None else None
@@ -132,8 +109,8 @@ class WorkerServer:
                 if self.segments.pair is None:  # closed: it would poll readable forever
                     poller.unregister(pair)
                     pair = None
-            if self.channel.socket in events:
-                code = self._handle(recv_parts(self.channel.socket))
+            if self.link.socket in events:
+                code = self._handle(recv_parts(self.link.socket))
                 if code is not None:
                     return code
             if time.monotonic() >= next_beat:
@@ -165,7 +142,7 @@ class WorkerServer:
         beat: dict[str, Any] = {"type": protocol.HEARTBEAT}
         if self.device.type == "cuda":
             beat["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
-        self.channel.send(beat)
+        self.link.send(beat)
 
     # -- one request ------------------------------------------------------------------------
 
@@ -178,12 +155,17 @@ class WorkerServer:
         """Forward one request and answer it, whatever happens."""
         try:
             with self._on_stream():
-                outputs, compute_us = self._forward(call.args, call.kwargs)
-                leaves: list = []
-                tree = _flatten_outputs(outputs, leaves)
-                self._answer(call, tree, leaves, compute_us, 1)
+                results, compute_us = self._forward([call.member])
+                self._answer_result(call, results[0], compute_us, 1)
         except Exception as exc:
             self._answer_failure(call.rid, call.client_id, exc)
+
+    def _answer_result(self, call: "Call", result: "Outputs | Exception", compute_us: int,
+                       batch: int) -> None:
+        if isinstance(result, Exception):  # its own postprocess raised
+            self._answer_failure(call.rid, call.client_id, result)
+        else:
+            self._answer(call, result.tree, result.leaves, compute_us, batch)
 
     def _prepare(self, rid: Any, frames: list) -> "Call | None":
         """The request decoded and checked, or None once it was answered with its error."""
@@ -197,15 +179,22 @@ class WorkerServer:
             self._answer_failure(rid, client_id, exc)
             return None
 
-    def _probe_call(self, rid: Any) -> "Call":
-        return Call(rid, None, self.probe_args, {}, [], None, None, [], 0)
+    def _probe_call(self, rid: Any) -> "Call | None":
+        """The probe through the whole path (a handler's preprocess and postprocess too)."""
+        try:
+            with self._on_stream():
+                return Call(rid, None, self.pipeline.member(self.probe_value), [], None)
+        except Exception as exc:
+            self._answer_failure(rid, None, exc)
+            return None
 
-    def _forward(self, args: tuple, kwargs: dict) -> tuple[Any, int]:
-        started = time.perf_counter_ns()
-        outputs = self.model(*args, **kwargs)
+    def _forward(self, members: list[Member]) -> tuple[list, int]:
+        results, compute_us = self.pipeline.run(members)
         if self.stream is not None:
+            started = time.perf_counter_ns()
             self.stream.synchronize()  # compute time is the GPU's time, not the launch's
-        return outputs, (time.perf_counter_ns() - started) // 1000
+            compute_us += (time.perf_counter_ns() - started) // 1000
+        return results, compute_us
 
     # -- a batch ----------------------------------------------------------------------------
 
@@ -224,12 +213,7 @@ class WorkerServer:
             return
         try:
             with self._on_stream():
-                joined = _concatenate(calls, self.dim)
-                args, kwargs = _call_arguments(calls[0].tree, joined)
-                outputs, compute_us = self._forward(args, kwargs)
-                leaves: list = []
-                tree = _flatten_outputs(outputs, leaves)
-                shares = _split_outputs(leaves, calls, joined, self.dim)
+                results, compute_us = self._forward([call.member for call in calls])
         except Exception as exc:
             logger.warning("a batch of %d failed as a whole (%s: %s); running each alone",
                            len(calls), type(exc).__name__, exc)
@@ -238,16 +222,12 @@ class WorkerServer:
             for call in calls:
                 self._run_call(call)
             return
-        for call, share in zip(calls, shares):
+        for call, result in zip(calls, results):
             try:
                 with self._on_stream():
-                    self._answer(call, tree, share, compute_us, len(calls))
+                    self._answer_result(call, result, compute_us, len(calls))
             except Exception as exc:
                 self._answer_failure(call.rid, call.client_id, exc)
-
-    @property
-    def dim(self) -> int:
-        return self.spec.model.batching.dim
 
     # -- decoding and answering -------------------------------------------------------------
 
@@ -256,6 +236,9 @@ class WorkerServer:
         protocol.frame_lengths_match(request.tensors, payload)
         tensors, sources = [], []
         for desc in request.tensors:
+            if desc.longest is not None:  # str/bytes: a list for the model, never a tensor
+                tensors.append(self._elements(desc, payload))
+                continue
             if desc.shm is None:
                 tensors.append(from_bytes(payload[desc.frame].buffer, desc.dtype, desc.shape))
                 continue
@@ -270,15 +253,22 @@ class WorkerServer:
             if problem:
                 raise ProtocolError(BAD_INPUT, problem)
         if self.device.type != "cpu":
-            tensors = [tensor.to(self.device, non_blocking=True) for tensor in tensors]
+            tensors = [tensor.to(self.device, non_blocking=True)
+                       if isinstance(tensor, torch.Tensor) else tensor for tensor in tensors]
         out = None
         if request.out is not None:
             token, offset, nbytes = request.out
             segment, view = self.segments.region(token, offset, nbytes)
             out = (segment, offset, view)
-        args, kwargs = _call_arguments(request.tree, tensors)
-        rows = tensors[0].shape[self.dim] if tensors and tensors[0].dim() > self.dim else 0
-        return Call(rid, client_id, args, kwargs, sources, out, request.tree, tensors, rows)
+        return Call(rid, client_id, self.pipeline.from_request(request.tree, tensors), sources, out)
+
+    def _elements(self, desc: protocol.TensorDesc, payload: list) -> Any:
+        """A str/bytes input, decoded and checked (shared.codec.decode_elements): its payload
+        frame, or its shared-memory region, copied out element by element."""
+        if desc.shm is None:
+            return decode_elements(payload[desc.frame].buffer, desc)
+        _, view = self.segments.region(*desc.shm)
+        return decode_elements(view, desc)
 
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
@@ -293,7 +283,7 @@ class WorkerServer:
                     "compute_us": compute_us, "batch": batch}
         if call.client_id is None and self.device.type == "cuda":  # the probe: memory after it
             envelope["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
-        send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply), *frames])
+        send_parts(self.link.socket, [protocol.pack(envelope), protocol.pack(reply), *frames])
         self.served += 1
 
     def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
@@ -302,12 +292,14 @@ class WorkerServer:
         reply["worker"] = self.spec.worker_id
         reply["version"] = self.spec.version
         envelope = {"type": protocol.RESULT, "rid": rid, "ok": False, "code": code}
-        send_parts(self.channel.socket, [protocol.pack(envelope), protocol.pack(reply)])
+        send_parts(self.link.socket, [protocol.pack(envelope), protocol.pack(reply)])
         self.served += 1
 
     def _failure_of(self, rid: Any, exc: BaseException) -> tuple[str, str]:
         if isinstance(exc, ProtocolError):
             return exc.code, exc.message
+        if isinstance(exc, BadInput):  # a handler's word on this request's input
+            return BAD_INPUT, str(exc)
         if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -331,33 +323,13 @@ class WorkerServer:
 
 
 class Call(NamedTuple):
-    """One request, decoded, ready for the model."""
+    """One request, decoded and preprocessed, ready for the model."""
 
     rid: Any
     client_id: Any
-    args: tuple
-    kwargs: dict
+    member: Member  # its tensors, as the pipeline joins them
     sources: list  # the segments its inputs lie in (an output aliasing one goes back as a pointer)
     out: Any  # (segment, offset, view) of its output region, or None
-    tree: Any  # its input TREE
-    tensors: list  # its input tensors in descriptor order
-    rows: int  # its size along the batch dimension
-
-
-def _call_arguments(tree: Any, tensors: list) -> tuple[tuple, dict]:
-    value = unflatten(tree, tensors)
-    if isinstance(tree, dict) and "dict" in tree:
-        return (), value
-    if isinstance(tree, int):
-        return (value,), {}
-    return tuple(value), {}
-
-
-def _flatten_outputs(outputs: Any, leaves: list) -> Any:
-    try:
-        return flatten(outputs, leaves)
-    except TypeError as exc:
-        raise ProtocolError(MODEL_ERROR, f"model output cannot travel: {exc}") from None
 
 
 def _split_members(envelope: dict, frames: list) -> list[tuple[Any, list]] | None:
@@ -371,34 +343,3 @@ def _split_members(envelope: dict, frames: list) -> list[tuple[Any, list]] | Non
         members.append((rid, frames[start:start + count]))
         start += count
     return members
-
-
-def _concatenate(calls: list[Call], dim: int) -> list[torch.Tensor]:
-    """Every member's inputs joined along ``dim``, in descriptor order: one copy per input (the
-    supervisor merged only requests with the same tree, dtypes and non-batch dimensions;
-    checked again here)."""
-    first = calls[0]
-    if any(call.tree != first.tree or len(call.tensors) != len(first.tensors) for call in calls):
-        raise ValueError("batch members disagree on their inputs")
-    return [torch.cat([call.tensors[index] for call in calls], dim)
-            for index in range(len(first.tensors))]
-
-
-def _split_outputs(leaves: list, calls: list[Call], joined: list, dim: int) -> list[list]:
-    """Per member, its share of every output: views along ``dim``, no copy. An output that *is*
-    a joined input (an identity-like model) gives each member its own input tensor back, so
-    an input that came in shared memory goes back as a pointer into it, as it would alone."""
-    rows = [call.rows for call in calls]
-    total = sum(rows)
-    pieces = []
-    for index, leaf in enumerate(leaves):
-        tensor = leaf if isinstance(leaf, torch.Tensor) else torch.from_numpy(leaf)
-        same = next((k for k, whole in enumerate(joined) if tensor is whole), None)
-        if same is not None:
-            pieces.append([call.tensors[same] for call in calls])
-            continue
-        if tensor.dim() <= dim or tensor.shape[dim] != total:
-            raise ValueError(f"output {index} has shape {list(tensor.shape)}: not {total} rows "
-                             f"along dim {dim}, so it cannot be split by member")
-        pieces.append(torch.split(tensor, rows, dim))
-    return [[piece[member] for piece in pieces] for member in range(len(rows))]

@@ -38,7 +38,7 @@ from modelwarden.shared.logs import setup_logging
 from modelwarden.shared.protocol import ProtocolError
 from modelwarden.shared.sockets import recv_parts
 from modelwarden.shared.states import EXIT_BOOT_ERROR, EXIT_OK, EXIT_ORPHANED
-from modelwarden.worker.placement import PlacementError
+from modelwarden.worker.pinning import PlacementError
 
 logger = logging.getLogger(__name__)
 STANDBY_NICE = 10  # a nice-0 task gets ~10x the CPU of a nice-10 one when both want it
@@ -73,11 +73,11 @@ def _may_raise_priority_to(nice: int) -> bool:
     return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
 
 
-def wait_for_promotion(spec: WorkerSpec, channel, parent_sentinel: int | None) -> int | None:
+def wait_for_promotion(spec: WorkerSpec, link, parent_sentinel: int | None) -> int | None:
     """Wait slotless until promoted (returns None, ``spec`` now the slot's) or told to leave
     (returns the exit code)."""
     poller = zmq.Poller()
-    poller.register(channel.socket, zmq.POLLIN)
+    poller.register(link.socket, zmq.POLLIN)
     if parent_sentinel is not None:
         poller.register(parent_sentinel, zmq.POLLIN)
     next_beat = time.monotonic()
@@ -86,16 +86,16 @@ def wait_for_promotion(spec: WorkerSpec, channel, parent_sentinel: int | None) -
         if parent_sentinel is not None and parent_sentinel in events:
             logger.error("supervisor is gone; leaving")
             return EXIT_ORPHANED
-        if channel.socket in events:
-            code = _on_message(spec, channel, recv_parts(channel.socket))
+        if link.socket in events:
+            code = _on_message(spec, link, recv_parts(link.socket))
             if code != "wait":
                 return code
         if time.monotonic() >= next_beat:
-            channel.send({"type": protocol.HEARTBEAT})
+            link.send({"type": protocol.HEARTBEAT})
             next_beat = time.monotonic() + spec.heartbeat_interval
 
 
-def _on_message(spec: WorkerSpec, channel, frames: list) -> int | None | str:
+def _on_message(spec: WorkerSpec, link, frames: list) -> int | None | str:
     try:
         header = protocol.unpack_header(frames[0].buffer, strict=False)
     except ProtocolError as exc:
@@ -112,7 +112,7 @@ def _on_message(spec: WorkerSpec, channel, frames: list) -> int | None | str:
         promote(spec, header)
     except PlacementError as exc:
         logger.error("promotion failed: %s", exc)
-        channel.failed("boot", f"promotion failed: {exc}")
+        link.failed("boot", f"promotion failed: {exc}")
         return EXIT_BOOT_ERROR
     return None
 

@@ -1,0 +1,28 @@
+"""Which modules the build compiles (setup.py reads this file with the standard library alone).
+
+The request path: every step a request takes through the supervisor (frames in, header parsed
+and checked, queued, batched, dispatched, the reply relayed), and the codec the client and the
+worker run per request. Lifecycle, probes, reload, the fleet and commands stay interpreted.
+"""
+
+COMPILED: dict[str, str] = {
+    # the wire: parsers of untrusted bytes (fuzzed: tests/fuzz/)
+    "modelwarden.shared.protocol": "shared/protocol.py",
+    "modelwarden.shared.descriptors": "shared/descriptors.py",
+    "modelwarden.shared.sockets": "shared/sockets.py",
+    # the supervisor's per-request work
+    "modelwarden.supervisor.routing.router": "supervisor/routing/router.py",
+    "modelwarden.supervisor.routing.service": "supervisor/routing/service.py",
+    "modelwarden.supervisor.routing.batching": "supervisor/routing/batching.py",
+    "modelwarden.supervisor.routing.requests": "supervisor/routing/requests.py",
+    "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
+    "modelwarden.supervisor.routing.quotas": "supervisor/routing/quotas.py",
+    # the codec of the client and the worker
+    "modelwarden.shared.codec": "shared/codec.py",
+    "modelwarden.client.session": "client/session.py",
+    "modelwarden.worker.serve": "worker/serve.py",
+}
+
+
+if __name__ == "__main__":  # the Makefile's list of sources to rebuild from
+    print(" ".join(COMPILED.values()))

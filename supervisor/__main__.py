@@ -1,8 +1,0 @@
-"""``python -m modelwarden.supervisor``: the same as the ``modelwarden`` command."""
-
-import sys
-
-from modelwarden.supervisor.cli import main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,486 @@
+"""Routing: accept client requests, queue them per model, hand them to the least-loaded READY
+worker, answer each exactly once.
+
+The supervisor never reads payload bytes: inline frames are checked by length and forwarded as
+the same ZeroMQ frames; shared-memory descriptors are checked against the buffer registry and
+forwarded as they came, after the buffers' descriptors were handed to the worker on its private
+socket pair (before the run message: the worker finds them queued when it reads the run). Every
+accepted request ends in ``finish``, which answers it once and forgets it: with the worker's
+result, a TIMEOUT from its deadline timer, a retry verdict after a worker death, or SHUTTING_DOWN.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import zmq
+
+from modelwarden.shared import fdchannel, protocol
+from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
+                                         SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
+                                         ProtocolError)
+from modelwarden.shared.sockets import send_parts
+from modelwarden.shared.states import WorkerState
+from modelwarden.supervisor.routing import batching
+from modelwarden.supervisor.fleet.handle import WorkerHandle
+from modelwarden.supervisor.routing.limits import ReplyLedger, RequestBytes, payload_bytes
+from modelwarden.supervisor.fleet import probes
+from modelwarden.supervisor.routing.service import ModelService, Services
+from modelwarden.supervisor.routing.requests import (ProbeRequest, Refused, Request, after_worker_death,
+                                             check_declared)
+
+if TYPE_CHECKING:
+    from modelwarden.shared.config import Settings
+    from modelwarden.supervisor.routing.buffers import BufferRegistry
+    from modelwarden.supervisor.fleet.pool import ModelPool
+    from modelwarden.supervisor.routing.quotas import Quotas
+    from modelwarden.supervisor.timers import Timers
+
+logger = logging.getLogger(__name__)
+
+
+# {"type": "run", "rid": N} with N packed separately: the same bytes as packing the whole map,
+# for a fraction of the cost on the hot path.
+_RUN_PREFIX = (b"\x82" + protocol.pack("type") + protocol.pack(protocol.RUN)
+               + protocol.pack("rid"))
+
+
+@runtime_checkable
+class RouterHost(Protocol):
+    """What the router needs from whoever runs it (the Arbiter; tests' FakeRouterHost):
+
+    * ``settings``: the daemon's limits; ``pools``: model name -> ModelPool (the router asks a
+      pool which worker has room, tells it of each result, and reads its config);
+    * ``clock()`` (monotonic seconds) and ``timers``: deadlines and batch holds;
+    * ``stopping``: new requests get SHUTTING_DOWN;
+    * ``registry`` and ``shm_offered(frontend)``: shared-memory regions are checked there;
+    * ``quotas``: each request counts against its identity's share (supervisor/routing/quotas.py);
+    * ``backend``: the ROUTER socket the workers are reached on (by routing id).
+    """
+
+    settings: "Settings"
+    pools: dict
+    timers: "Timers"
+    stopping: bool
+    registry: "BufferRegistry"
+    quotas: "Quotas"
+    backend: zmq.Socket
+
+    def clock(self) -> float: ...
+
+    def shm_offered(self, frontend: int) -> bool: ...
+
+
+class Router:
+    """Every request's life, from acceptance to its one answer: the queues, what each worker
+    holds (``WorkerHandle.inflight``, written only here), the probes in flight, the deadlines."""
+
+    def __init__(self, host: RouterHost) -> None:
+        self.host = host
+        self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
+        self.services = Services()  # model name -> its request state (routing/service.py)
+        self._rids = itertools.count(1)
+        daemon = host.settings.daemon
+        self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
+                                          daemon.max_request_bytes)
+        self.replies = ReplyLedger(daemon.max_unread_bytes_per_connection, daemon.max_unread_bytes)
+        # Called once per answered request with (request, code, timing): "ok" or the error
+        # code; timing as the client sees it, None for an error. Metrics and the access log.
+        self.observers: list = []
+
+    # -- intake -----------------------------------------------------------------------------
+
+    def accept_infer(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
+                     header: dict, identity: str = "-") -> None:
+        """``connection`` is (frontend index, routing id); ``identity`` whose shares the request
+        counts against (supervisor/routing/identity.py)."""
+        host = self.host
+        request_id = protocol.request_id_of(header)
+        pool = None
+        try:
+            if host.stopping:
+                raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+            parsed = protocol.parse_infer(header, len(envelope.payload))
+            protocol.frame_lengths_match(parsed.tensors, envelope.payload)
+            pool = host.pools.get(parsed.model)
+            if pool is None:
+                raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
+                                    f"configured: {', '.join(host.pools)}")
+            buffers = self._check_regions(connection[0], parsed)
+            check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
+            if pool.all_fatal():
+                raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL or "
+                                    "stopped; see `modelwarden status`, then `modelwarden restart`")
+            queue = self.services[pool.name].queue
+            if len(queue) >= pool.config.max_queue:
+                raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(queue)} requests "
+                                    "queued (max_queue); retry later")
+            refusal = self.replies.refusal(connection)
+            if refusal is not None:
+                raise ProtocolError(OVERLOADED, refusal)
+            nbytes = payload_bytes(envelope.payload)
+            self._take_budgets(connection, identity, nbytes)  # last: nothing refuses it after this
+        except ProtocolError as exc:
+            self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
+            if self.observers:
+                refused = Refused(request_id, pool.name if pool is not None else "-",
+                                  time.perf_counter_ns())
+                for observe in self.observers:
+                    observe(refused, exc.code, None)
+            return
+        now = host.clock()
+        timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
+        request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
+                          envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
+                          connection=connection, nbytes=nbytes, buffers=buffers, identity=identity)
+        request.timer = host.timers.call_at(request.deadline, self.expire, request)
+        request.arrived = now
+        batch = pool.config.batching
+        if batch.enabled:
+            request.batch_key, request.rows = (
+                batching.signature(parsed, batch, pool.config.source.startswith("handler:"))
+                or (None, 0))
+            request.queued_under_load = bool(queue) or pool.least_loaded() is None
+        self.pending[request.rid] = request
+        queue.append(request)
+        self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
+
+    def _take_budgets(self, connection: tuple, identity: str, nbytes: int) -> None:
+        """The identity's share of requests and bytes, then the connection's and the daemon's
+        bytes; all or nothing."""
+        quotas = self.host.quotas
+        quotas.take(identity, "requests")
+        try:
+            if nbytes:
+                quotas.take(identity, "request_bytes", nbytes)
+            try:
+                self.request_bytes.take(connection, nbytes)
+            except ProtocolError:
+                quotas.give_back(identity, "request_bytes", nbytes)
+                raise
+        except ProtocolError:
+            quotas.give_back(identity, "requests")
+            raise
+
+    def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
+        """The tokens the request uses, each checked: registered, the region inside it, and its
+        bytes -- what a worker will fault in -- within max_shm_tensor_bytes and, in all,
+        max_shm_request_bytes."""
+        tokens = parsed.buffers()
+        if not tokens:
+            return ()
+        if not self.host.shm_offered(frontend):
+            raise ProtocolError(BAD_REQUEST, "shared memory is only offered on ipc:// endpoints "
+                                "with daemon.shm = true")
+        registry = self.host.registry
+        regions = [(f"tensor {index}", desc.shm) for index, desc in enumerate(parsed.tensors)
+                   if desc.shm is not None]
+        if parsed.out is not None:
+            regions.append(("'out'", parsed.out))
+        daemon = self.host.settings.daemon
+        total = 0
+        for what, region in regions:
+            registry.check(region, what)
+            if region[2] > daemon.max_shm_tensor_bytes:
+                raise ProtocolError(BAD_REQUEST, f"{what}: {region[2]} bytes in shared memory "
+                                    f"exceed max_shm_tensor_bytes ({daemon.max_shm_tensor_bytes})")
+            total += region[2]
+        if total > daemon.max_shm_request_bytes:
+            raise ProtocolError(BAD_REQUEST, f"the request names {total} bytes of shared memory; "
+                                f"max_shm_request_bytes is {daemon.max_shm_request_bytes}")
+        return tuple(tokens)
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def dispatch_wanted(self) -> None:
+        """Dispatch every pool whose workers freed up since the last call (the loop calls it
+        once per poll round: results that arrive together free their workers before any of
+        them takes the next batch, so the batch is as full as the queue allows)."""
+        for service in list(self.services.values()):
+            if service.wanted is not None:
+                pool, service.wanted = service.wanted, None
+                self.dispatch(pool)
+
+    def queued(self, pool: "ModelPool") -> int:
+        return len(self.services[pool.name].queue)
+
+    def dispatch(self, pool: "ModelPool") -> None:
+        service = self.services[pool.name]
+        queue = service.queue
+        now = self.host.clock()
+        config = pool.config.batching
+        while queue:
+            handle = pool.least_loaded()
+            if handle is None:
+                return
+            members = batching.pick(queue, config)
+            if config.max_delay_us and self._hold(service, pool, members, now):
+                return
+            batching.remove(queue, members)
+            members = [request for request in members
+                       if not request.done and self._pass_buffers(handle, request)]
+            if len(members) == 1:
+                self._send(handle, members[0], now)
+            elif members:
+                self._send_batch(handle, members, now)
+            if members and config.enabled:
+                service.batches.record(len(members))
+
+    def _hold(self, service: ModelService, pool: "ModelPool", members: list, now: float) -> bool:
+        """True while a partial batch waits for more members (a timer sends it later)."""
+        until = batching.hold_until(members, pool.config.batching)
+        if until is None or until <= now:
+            return False
+        if service.hold is None:
+            service.hold = self.host.timers.call_at(until, self._release, service, pool)
+        return True
+
+    def _release(self, service: ModelService, pool: "ModelPool") -> None:
+        service.hold = None
+        self.dispatch(pool)  # the held head's wait is over now: it goes with what is there
+
+    def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
+        """Probes go out between real requests: to a worker with room whose probe is due."""
+        now = self.host.clock()
+        for handle in handles:
+            if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
+                self._send_probe(handle, now)
+
+    def _pass_buffers(self, handle: WorkerHandle, request: Request) -> bool:
+        """Hand the worker the descriptors of the buffers it lacks; False if the request was
+        answered instead (a token revoked while it waited, or the worker's pair is full)."""
+        missing = [token for token in request.buffers if token not in handle.buffers]
+        if not missing:
+            return True
+        registry = self.host.registry
+        buffers = [registry.get(token) for token in missing]
+        if None in buffers:
+            self.finish(request, protocol.error_header(
+                request.client_id, BAD_REQUEST, "a buffer of this request was revoked before it "
+                "could run (its channel connection closed)", BUFFER_NOT_REGISTERED))
+            return False
+        step = fdchannel.MAX_FDS_PER_MESSAGE
+        try:
+            for start in range(0, len(missing), step):
+                batch = buffers[start:start + step]
+                fdchannel.send_message(handle.buffer_socket, {
+                    "type": fdchannel.HAND_OVER, "tokens": missing[start:start + step],
+                    "sizes": [buffer.size for buffer in batch]}, [buffer.fd for buffer in batch])
+                handle.buffers.update(missing[start:start + step])
+        except OSError as exc:
+            if fdchannel.is_gone(exc):
+                return True  # the worker is dying: its sentinel will bring the request back
+            logger.error("%s: cannot pass buffers for rid=%s id=%r (%s)", handle.worker_id,
+                         request.rid, request.client_id, errno.errorcode.get(exc.errno, exc))
+            self.fail(request, OVERLOADED, f"worker {handle.worker_id} is not taking buffers; retry")
+            return False
+        return True
+
+    def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
+        envelope = _RUN_PREFIX + protocol.pack(request.rid)
+        send_parts(self.host.backend,
+                   [handle.identity, envelope, request.header_frame, *request.payload])
+        self._mark_sent(handle, request, 1, now)
+
+    def _send_batch(self, handle: WorkerHandle, members: list, now: float) -> None:
+        """One message, every member's header and payload frames as they came: the supervisor
+        still never touches payload bytes."""
+        envelope = protocol.pack({"type": protocol.BATCH, "rids": [m.rid for m in members],
+                                  "frames": [1 + len(m.payload) for m in members]})
+        parts = [handle.identity, envelope]
+        for member in members:
+            parts.append(member.header_frame)
+            parts.extend(member.payload)
+        send_parts(self.host.backend, parts)
+        for member in members:
+            self._mark_sent(handle, member, len(members), now)
+
+    @staticmethod
+    def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
+        request.worker = handle
+        request.batch_size = batch_size
+        request.dispatched_ns = time.perf_counter_ns()
+        handle.inflight[request.rid] = request
+        handle.last_dispatch = now
+
+    def _send_probe(self, handle: WorkerHandle, now: float) -> None:
+        probe = ProbeRequest(next(self._rids), handle)
+        send_parts(self.host.backend, [handle.identity, probes.run_probe(probe.rid)])
+        handle.inflight[probe.rid] = probe
+        handle.probe.sent(probe.rid, now)
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def on_result(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict, frames: list) -> None:
+        """``frames``: the reply header the worker wrote for the client, then its payload."""
+        request = handle.inflight.pop(envelope.get("rid"), None)
+        if request is None:
+            logger.error("%s answered rid=%s, a request it does not hold", handle.worker_id,
+                         envelope.get("rid"))
+            return
+        if not frames:
+            logger.error("%s sent a result without a reply header (rid=%s)", handle.worker_id,
+                         envelope.get("rid"))
+            frames = [protocol.pack(protocol.error_header(None, protocol.INTERNAL,
+                                                          "the worker's answer had no header"))]
+            envelope = {"ok": False}
+        if isinstance(request, ProbeRequest):
+            self._judge_probe(pool, handle, request, envelope, frames)
+        else:
+            self._relay_result(handle, request, envelope, frames)
+        if envelope.get("code") == protocol.OUT_OF_MEMORY:
+            # An allocator that failed once (fragmented CUDA cache, a heap at its limit) is not
+            # trusted with the next request: a fresh process takes the slot, replace before retire.
+            pool.replace(handle, "out of memory in forward")
+        pool.after_result(handle)
+        if handle.state == WorkerState.READY:
+            self.send_due_probes(pool, [handle])
+        self.services[pool.name].wanted = pool
+
+    def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
+                      frames: list) -> None:
+        """The worker wrote the client's reply header; only the timing is added, as bytes
+        appended to the map, not by decoding and encoding it again."""
+        handle.served += 1
+        if request.done:  # it timed out while the worker was busy with it
+            return
+        if envelope.get("ok"):
+            total_us = (time.perf_counter_ns() - request.received_ns) // 1000
+            handle.latencies_us.append(total_us)
+            timing = {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
+                      "compute_us": envelope.get("compute_us"), "total_us": total_us,
+                      "batch": envelope.get("batch", 1)}
+            header = protocol.add_to_map(_buffer(frames[0]), "timing", timing)
+            self._answer(request, header, frames[1:], "ok", timing)
+        else:
+            handle.errors += 1
+            code = _error_code(frames[0]) if self.observers else ""
+            self._answer(request, frames[0], frames[1:], code)
+
+    @staticmethod
+    def _judge_probe(pool: "ModelPool", handle: WorkerHandle, probe: ProbeRequest,
+                     envelope: dict, frames: list) -> None:
+        verdict = probes.verdict_of(handle.probe, probe.rid, envelope, _buffer(frames[0]),
+                                    frames[1:], pool.judge, handle.spec.version)
+        if verdict is not None:
+            pool.record_probe(handle, verdict)
+
+    def finish(self, request: Request, reply: dict) -> None:
+        """Answer a request exactly once (with a header the supervisor wrote: an error)."""
+        self._answer(request, protocol.pack(reply), code=(reply.get("error") or {}).get("code", "ok"))
+
+    def _answer(self, request: Request, header, frames: list | None = None, code: str = "ok",
+                timing: dict | None = None) -> None:
+        """Send the one answer: ``header`` is packed bytes (or a frame), ``frames`` its payload;
+        ``code`` and ``timing`` are for the observers."""
+        if request.done:
+            return
+        request.done = True
+        self.host.timers.cancel(request.timer)
+        self.pending.pop(request.rid, None)
+        self.request_bytes.give_back(request.connection, request.nbytes)
+        quotas = self.host.quotas
+        quotas.give_back(request.identity, "requests")
+        if request.nbytes:
+            quotas.give_back(request.identity, "request_bytes", request.nbytes)
+        parts = [*request.route, SIGNATURE, header]
+        if frames:
+            parts.extend(frames)
+            dropped = self.replies.prepare(request.connection, parts, payload_bytes(frames))
+            if dropped is not None:
+                parts = [*request.route, SIGNATURE, protocol.pack(
+                    protocol.error_header(request.client_id, OVERLOADED, dropped))]
+                code, timing = OVERLOADED, None
+        try:
+            send_parts(request.socket, parts)
+        except zmq.ZMQError as exc:  # a closing socket at shutdown; a ROUTER drops the rest silently
+            logger.warning("could not answer request rid=%s id=%r: %s", request.rid, request.client_id, exc)
+        for observe in self.observers:
+            observe(request, code, timing)
+
+    def fail(self, request: Request, code: str, message: str) -> None:
+        self.finish(request, protocol.error_header(request.client_id, code, message))
+
+    def send_error(self, socket: zmq.Socket, route: list, request_id: Any, code: str,
+                   message: str, detail: str | None = None) -> None:
+        try:
+            send_parts(socket, [*route, SIGNATURE, protocol.pack(
+                protocol.error_header(request_id, code, message, detail))])
+        except zmq.ZMQError as exc:
+            logger.warning("could not send a %s error: %s", code, exc)
+
+    # -- deadlines and deaths ---------------------------------------------------------------
+
+    def expire(self, request: Request) -> None:
+        if request.done:
+            return
+        where = f"on {request.worker.worker_id}" if request.worker is not None else "in the queue"
+        if request.worker is None:
+            try:
+                self.services[request.model].queue.remove(request)
+            except ValueError:
+                pass
+        self.fail(request, TIMEOUT, f"no answer within the deadline (request was {where})")
+
+    def recover(self, pool: "ModelPool", handle: WorkerHandle) -> None:
+        """The worker is gone or declared dead: retry what it held, or answer it."""
+        held = list(handle.inflight.values())
+        handle.inflight.clear()
+        retry = []
+        for request in held:
+            if isinstance(request, ProbeRequest):
+                handle.probe.settle()
+                continue
+            if request.done:
+                continue
+            request.alone = request.alone or request.batch_size > 1
+            verdict = after_worker_death(request, pool.config.retries)
+            if verdict is None:
+                retry.append(request)
+            else:
+                logger.error("%s died holding rid=%s id=%r: answering %s", handle.worker_id,
+                             request.rid, request.client_id, verdict)
+                self.fail(request, verdict, self._death_message(verdict, handle))
+        if retry:
+            logger.warning("%s died holding %d request(s); retrying them (rid=%s)", handle.worker_id,
+                           len(retry), ",".join(str(request.rid) for request in retry))
+            self.services[pool.name].queue.extendleft(reversed(retry))
+        self.dispatch(pool)
+
+    @staticmethod
+    def _death_message(code: str, handle: WorkerHandle) -> str:
+        if code == protocol.POISON:
+            return "the request was in flight on two workers that both died; not retrying it"
+        return f"worker {handle.worker_id} died holding the request (retries are off)"
+
+    def fail_queue(self, pool: "ModelPool", code: str, message: str) -> None:
+        queue = self.services[pool.name].queue
+        while queue:
+            request = queue.popleft()
+            self.fail(request, code, message)
+
+    def fail_everything(self, code: str, message: str) -> None:
+        for request in list(self.pending.values()):
+            self.fail(request, code, message)
+        for queue in [service.queue for service in self.services.values()]:
+            queue.clear()
+
+
+
+def _error_code(frame) -> str:
+    """The code in a worker's error reply header (for metrics and the access log)."""
+    try:
+        error = protocol.unpack_header(_buffer(frame), strict=False).get("error")
+    except ProtocolError:
+        return protocol.INTERNAL
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else protocol.INTERNAL
+
+
+def _buffer(frame):
+    """A zmq.Frame's bytes without a copy; bytes as they are."""
+    return frame.buffer if hasattr(frame, "buffer") else frame

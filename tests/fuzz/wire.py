@@ -1,0 +1,227 @@
+"""atheris against the wire parsers: every byte a client, a worker or a daemon can send us.
+
+    python tests/fuzz/wire.py --seconds 60           # bounded (make test runs tests/test_fuzz.py)
+    python tests/fuzz/wire.py --seconds 3600         # make fuzz (FUZZ_SECONDS)
+    python tests/fuzz/wire.py --replay FILE...       # run inputs once each (the crash test)
+
+One input is one message: a msgpack list of frames when it decodes as one (the seeds are, so
+mutations keep that structure), otherwise ``[SIGNATURE, input]``, a bare header frame. Each
+message goes through what the supervisor does to a client's frames (frame and byte limits,
+the envelope, the strict header parse, the infer header's schema, frame lengths, str/bytes
+elements) and what a client does to a daemon's reply (split, the reply's schema, its elements).
+The only acceptable outcome of bad bytes is ProtocolError (InternalError from the client's
+splitter): anything else raised, a hang (libFuzzer's -timeout) or a crash of the process is a
+finding. libFuzzer writes each to tests/fuzz/crashes/, which tests/test_fuzz.py replays for
+ever after.
+
+Compiled and uncompiled, side by side. atheris instruments Python bytecode; a module compiled by
+Cython is C that gcc built without libFuzzer's coverage hooks, so on its own the compiled path
+gives the fuzzer nothing to steer by. Each input therefore runs twice: through the modules this
+process imports (compiled after ``make install``) and through a second, uncompiled copy of the
+same sources loaded under other names and instrumented (``PURE``). The copy's coverage steers
+the mutations; the compiled modules must never crash, and both must end the same way: the same
+summary of what was parsed, or the same error class and message. A difference is a finding too
+(the compiled source behaving unlike the source).
+
+The seeds are valid requests and replies of every kind plus the hostile inputs of the
+malformed-input tests: msgpack bombs (huge declared counts, deep nesting), overflowing shapes,
+counts that disagree, length prefixes past the end, invalid UTF-8, too many frames.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import atheris
+import msgpack
+
+HERE = Path(__file__).resolve().parent
+CRASHES = HERE / "crashes"
+WORK = HERE / "work"  # the growing corpus of `make fuzz` (git-ignored)
+MAX_BYTES = 1 << 20  # max_message_bytes for the fuzz run: big enough, never a real allocation
+
+from modelwarden.shared import descriptors, protocol  # noqa: E402  (as installed: compiled)
+from modelwarden.shared.errors import InternalError  # noqa: E402
+from modelwarden.supervisor.routing import limits  # noqa: E402
+
+ROOT = HERE.parent.parent
+# The uncompiled copy, in import order: each module's imports of the others are renamed.
+PURE_SOURCES = {"modelwarden.shared.protocol": "shared/protocol.py",
+                "modelwarden.shared.descriptors": "shared/descriptors.py",
+                "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py"}
+
+
+def load_pure() -> types.SimpleNamespace:
+    """The modules of PURE_SOURCES compiled by Python from their .py files, as ``mwpure_*``."""
+    aliases = {name: "mwpure_" + name.rpartition(".")[2] for name in PURE_SOURCES}
+    loaded = {}
+    for name, path in PURE_SOURCES.items():
+        source = (ROOT / path).read_text()
+        for real, alias in aliases.items():
+            source = source.replace(real, alias)
+        module = types.ModuleType(aliases[name])
+        module.__file__ = str(ROOT / path)
+        sys.modules[aliases[name]] = module  # dataclasses look their module up while executing it
+        exec(compile(source, str(ROOT / path), "exec"), module.__dict__)
+        loaded[name.rpartition(".")[2]] = module
+    return types.SimpleNamespace(**loaded)
+
+
+COMPILED_PATH = types.SimpleNamespace(protocol=protocol, descriptors=descriptors, limits=limits)
+PURE = load_pure()
+
+
+def frames_of(data: bytes) -> list[bytes]:
+    try:
+        frames = msgpack.unpackb(data, max_array_len=4096)  # inputs are at most -max_len bytes
+    except Exception:
+        frames = None
+    if isinstance(frames, list) and all(isinstance(frame, bytes) for frame in frames):
+        return frames
+    return [protocol.SIGNATURE, data]
+
+
+def as_client_request(path: types.SimpleNamespace, frames: list[bytes]) -> tuple:
+    """The supervisor's reading of a client's message (router.py, in the same order)."""
+    protocol, descriptors = path.protocol, path.descriptors
+    message = [b"client-identity", *frames]
+    path.limits.check_message(message, MAX_BYTES)
+    envelope = protocol.split_router_message(message)
+    header = protocol.unpack_header(envelope.header)
+    if header.get("type", protocol.INFER) != protocol.INFER:
+        return ("not infer", repr(header.get("type")))
+    request = protocol.parse_infer(header, len(envelope.payload))
+    protocol.frame_lengths_match(request.tensors, envelope.payload)
+    elements = [repr(descriptors.decode_elements(memoryview(envelope.payload[desc.frame]), desc))
+                for desc in request.tensors
+                if desc.dtype in protocol.ELEMENT_TYPES and desc.frame is not None]
+    return (repr(request.id), request.model, [tuple(desc) for desc in request.tensors],
+            request.timeout_ms, request.out, elements)
+
+
+def as_reply(path: types.SimpleNamespace, frames: list[bytes]) -> tuple:
+    """A client's reading of a daemon's (or a worker's) reply."""
+    protocol, descriptors = path.protocol, path.descriptors
+    header, payload = protocol.split_reply(frames)
+    reply = descriptors.parse_reply(header, payload, shm=False)
+    elements = [repr(descriptors.decode_elements(memoryview(payload[desc.frame]), desc))
+                for desc in reply.tensors
+                if desc.dtype in protocol.ELEMENT_TYPES and desc.frame is not None]
+    return (repr(reply.id), reply.ok, [tuple(desc) for desc in reply.tensors],
+            repr(reply.error), elements)
+
+
+def outcome(reader, path: types.SimpleNamespace, frames: list[bytes]) -> tuple:
+    """What became of the frames: ("ok", summary) or ("error", class name, message). Any other
+    exception propagates: that is the finding."""
+    try:
+        return ("ok", reader(path, frames))
+    except (COMPILED_PATH.protocol.ProtocolError, PURE.protocol.ProtocolError, InternalError) as exc:
+        return ("error", type(exc).__name__, str(exc))
+
+
+def one_input(data: bytes) -> None:
+    frames = frames_of(data)
+    for reader in (as_client_request, as_reply):
+        compiled = outcome(reader, COMPILED_PATH, frames)
+        pure = outcome(reader, PURE, frames)
+        if compiled != pure:
+            raise AssertionError(f"{reader.__name__}: compiled {compiled!r} but uncompiled {pure!r}")
+
+
+# -- seeds -----------------------------------------------------------------------------------
+
+
+def _message(header, *payload: bytes, raw: bytes | None = None) -> bytes:
+    head = raw if raw is not None else msgpack.packb(header)
+    return msgpack.packb([protocol.SIGNATURE, head, *payload])
+
+
+def _elements(items: list[bytes]) -> bytes:
+    return b"".join(len(item).to_bytes(4, "little") + item for item in items)
+
+
+def seeds() -> list[bytes]:
+    f32 = bytes(16)
+    words = [b"hello", "w\u00f6rld".encode(), b""]
+    text = _elements(words)
+    infer = {"type": "infer", "id": 7, "model": "m", "inputs": 0,
+             "tensors": [{"dtype": "float32", "shape": [2, 2], "frame": 0}]}
+    strings = {"type": "infer", "id": "s", "model": "bert", "inputs": {"dict": {"texts": 0}},
+               "tensors": [{"dtype": "str", "shape": [3], "frame": 0, "nbytes": len(text),
+                            "longest": 6}]}
+    shm = {"type": "infer", "id": 8, "model": "m", "inputs": [0, {"tuple": [1]}],
+           "tensors": [{"dtype": "int64", "shape": [4], "shm": ["0123456789abcdef" * 2, 0, 32]},
+                       {"dtype": "bfloat16", "shape": [], "frame": 0}],
+           "out": ["fedcba9876543210" * 2, 0, 4096], "timeout_ms": 1000}
+    reply = {"ok": True, "id": 7, "outputs": 0, "worker": "m#0", "version": "v1",
+             "timing": {"queue_us": 1, "forward_us": 2},
+             "tensors": [{"dtype": "float32", "shape": [2, 2], "frame": 0}]}
+    failure = {"ok": False, "id": 7, "error": {"code": "BAD_INPUT", "message": "no"}}
+    hostile = [
+        # msgpack bombs: declared counts far past the bytes that follow, nesting past the limit
+        _message(None, raw=b"\xdf\xff\xff\xff\xff"),
+        _message(None, raw=b"\xdd\xff\xff\xff\xff"),
+        _message(None, raw=b"\x91" * 5000),
+        _message(None, raw=b"\xdb\xff\xff\xff\xf0"),
+        # shapes whose product overflows, negative dims, too many dims
+        _message({**infer, "tensors": [{"dtype": "float32", "shape": [2**62, 2**62], "frame": 0}]}, f32),
+        _message({**infer, "tensors": [{"dtype": "float32", "shape": [-1, 4], "frame": 0}]}, f32),
+        _message({**infer, "tensors": [{"dtype": "uint8", "shape": [1] * 40, "frame": 0}]}, b"x"),
+        # counts that disagree: tensors vs frames, frame length vs dtype x shape
+        _message(infer, f32, f32),
+        _message(infer, f32[:15]),
+        # str elements: a prefix past the end, invalid UTF-8, bytes left over, a wrong longest
+        _message(strings, text[:-1]),
+        _message({**strings, "tensors": [{**strings["tensors"][0], "shape": [1], "nbytes": 9,
+                                          "longest": 5}]},
+                 _elements([b"\xff\xfe\xfd\xfc\xfb"])),
+        _message(strings, text + b"\x00"),
+        _message({**strings, "tensors": [{**strings["tensors"][0], "longest": 1}]}, text),
+        _message({**strings, "tensors": [{"dtype": "bytes", "shape": [10**6], "frame": 0,
+                                          "nbytes": 4 * 10**6, "longest": 0}]}, b"\x00" * 64),
+        # a tree that names a tensor twice, keys that are not str, a repeated key
+        _message({**infer, "inputs": [0, 0]}, f32),
+        _message(None, raw=b"\x82\x01\x01\xa2id\x01"),
+        _message(None, raw=b"\x82\xa2id\x01\xa2id\x02"),
+        # too many frames, a bad signature, nothing at all
+        msgpack.packb([protocol.SIGNATURE, msgpack.packb(infer)] + [b""] * 1100),
+        msgpack.packb([b"MWP0", msgpack.packb(infer), f32]),
+        msgpack.packb([]),
+    ]
+    valid = [_message(infer, f32), _message(strings, text), _message(shm, b"\x00\x00"),
+             _message(reply, f32), _message(failure), _message({"type": "hello", "id": "h"})]
+    return valid + hostile
+
+
+def replay(paths: list[Path]) -> int:
+    for path in paths:
+        one_input(path.read_bytes())
+    print(f"replayed {len(paths)} input(s): only typed errors")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=60)
+    parser.add_argument("--replay", nargs="*", type=Path)
+    args = parser.parse_args()
+    if args.replay is not None:
+        return replay(args.replay or sorted(CRASHES.glob("*")))
+    WORK.mkdir(exist_ok=True)
+    for index, seed in enumerate(seeds()):
+        (WORK / f"seed-{index:03d}").write_bytes(seed)
+    CRASHES.mkdir(exist_ok=True)
+    atheris.instrument_all()  # the uncompiled copy, and what it calls in Python
+    atheris.Setup([sys.argv[0], str(WORK), f"-max_total_time={args.seconds}", "-timeout=10",
+                   "-rss_limit_mb=2048", "-max_len=65536", f"-artifact_prefix={CRASHES}/",
+                   "-print_final_stats=1"], one_input)
+    atheris.Fuzz()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
