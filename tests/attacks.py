@@ -21,6 +21,7 @@ import os
 import re
 import select
 import socket
+import struct
 import sys
 import time
 
@@ -55,8 +56,10 @@ def channels(path: str, count: int) -> None:
     for _ in range(count):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # A blocking connect waits while the listen backlog is full: every connection reaches the
-        # daemon's accept (its share decides), not just those a busy daemon happened to keep up with.
-        sock.settimeout(2)
+        # daemon's accept (its share decides), not just those a busy daemon happened to keep up
+        # with. SO_SNDTIMEO bounds that wait; settimeout() would not do: it makes the socket
+        # non-blocking, and a unix connect to a full backlog then fails EAGAIN at once.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 2, 0))
         try:
             sock.connect(path)
         except OSError:

@@ -186,7 +186,9 @@ def test_a_channel_connection_fill_by_one_uid_leaves_room_for_others(member):
         with attack(member, "channels", channel, "1100") as found:
             share = daemon.status()["daemon"]["limits"]["per_identity"]["connections"]
             kept = found["connected"] - found["closed_by_daemon"]
-            assert kept <= share and found["closed_by_daemon"] + found["refused"] > 0, found
+            # Past its share the daemon accepted and shut them: the member's connects waited in
+            # the backlog for the daemon's accept, whatever the daemon's speed.
+            assert kept <= share and found["closed_by_daemon"] > 0, found
             assert held_by(daemon, member_uid(member))["connections"] <= share
             assert_within_descriptors(daemon)
             assert_serves(daemon, shm=True)  # root's channel connection is accepted
