@@ -79,7 +79,23 @@ def extensions() -> list[Extension]:
               file=sys.stderr)
         return []
     modules = [Extension(name, [path]) for name, path in COMPILED.items()]
-    return cythonize(modules, compiler_directives=DIRECTIVES, quiet=True)
+    return cythonize(modules, compiler_directives=DIRECTIVES, quiet=True,
+                     include_path=[str(declarations_tree())])
+
+
+def declarations_tree() -> Path:
+    """Cython finds a module's .pxd by the module's dotted name (modelwarden/shared/sockets.pxd),
+    but the role folders are mapped to the package (pyproject.toml), so the tree has no such
+    path: link each .pxd beside its .py into one under build/ that has it."""
+    tree = ROOT / "build" / "pxd"
+    for name, path in COMPILED.items():
+        declarations = (ROOT / path).with_suffix(".pxd")
+        if declarations.exists():
+            target = tree.joinpath(*name.split(".")).with_suffix(".pxd")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.unlink(missing_ok=True)
+            target.symlink_to(declarations)
+    return tree
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": OptionalBuildExt})

@@ -1,34 +1,62 @@
-"""Small ZeroMQ helpers shared by the daemon, its workers and the client.
+# cython: annotation_typing=True
+"""ZeroMQ messages in and out: the helpers the daemon, its workers and the client share.
 
-pyzmq's ``send_multipart``/``recv_multipart`` cost about 20 us for a 4-frame message (they combine
-IntFlag enums in Python for every frame and query RCVMORE through getsockopt); these do the same
-work in about 7 us. At three processes and eight multipart messages per request, that is a large
-share of a small request's round trip.
+Compiled (Cython, shared/sockets.pxd), ``recv_message`` and ``send_parts`` call libzmq
+directly on pyzmq's own socket handles: a part below ``COPY_BELOW`` bytes arrives as ``bytes``
+with no ``zmq.Frame`` made for it, a larger one stays in libzmq's memory as a ``Part`` (zero
+copies, and forwarding it shares that memory again), and an empty socket answers None instead of
+raising ``zmq.Again``. That is the supervisor's per-message cost: a pyzmq Frame is about 1.5 us
+to make, an ``Again`` about 7 us to raise and catch, on this machine. Uncompiled, the same
+functions do the same through pyzmq (large parts are ``zmq.Frame``): both kinds of large part
+have ``len()``, ``bytes()``, the buffer protocol and ``.buffer``, and either can be sent again.
+
+pyzmq's ``send_multipart``/``recv_multipart`` cost about 20 us for a 4-frame message (they
+combine IntFlag enums in Python for every frame and query RCVMORE through getsockopt);
+``recv_parts`` does the same work in about 7 us, for the callers that want ``zmq.Frame``s.
 """
 
 from __future__ import annotations
 
+import errno as _errno
+
 import zmq
 
+try:
+    import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
+except ImportError:
+    cython = None  # uncompiled without Cython: only the compiled-only functions use it
+
+# Compiled, this module is an extension (its __file__ a .so). The names only the compiled
+# functions use -- ``cython``, the ``zmq_msg_*`` functions, Part's C fields -- are declared in
+# sockets.pxd; uncompiled, those functions are never called. Annotations here are C types for
+# Cython (the directive above), so the Python-facing functions have none: see their docstrings.
+COMPILED = not __file__.endswith(".py")
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
+COPY_BELOW = 65536  # a part this small is copied into bytes: cheaper than keeping libzmq's
+_EAGAIN, _EINTR = _errno.EAGAIN, _errno.EINTR
 
 
-def send_parts(socket: zmq.Socket, parts: list) -> None:
-    """Send a multipart message without copying large parts (pyzmq still copies parts below its
-    copy threshold, which is cheaper for them)."""
+def send_parts(socket, parts):
+    """Send a multipart message without copying large parts (small ones are copied, which is
+    cheaper for them). Parts: bytes, ``Part``, ``zmq.Frame`` or any buffer."""
+    if COMPILED:
+        _send_c(socket, parts, 0)
+        return
     last = len(parts) - 1
     send = socket.send
     for index, part in enumerate(parts):
         send(part, _SNDMORE if index < last else 0, copy=False)
 
 
-def send_queued(socket: zmq.Socket, parts: list) -> bool:
+def send_queued(socket, parts):
     """Queue a multipart message on a socket without a send high-water mark; False, with nothing
     queued, when the socket has no peer to queue for. A connected DEALER keeps its pipe across
     reconnects, so that happens only once libzmq has given the connection up for good (after a
     handshake the peer refused: see client/connection.py). Once the first part is accepted the
     rest of the message always is (ZeroMQ queues a message whole)."""
+    if COMPILED:
+        return _send_c(socket, parts, _NOBLOCK)
     last = len(parts) - 1
     send = socket.send
     try:
@@ -40,7 +68,23 @@ def send_queued(socket: zmq.Socket, parts: list) -> bool:
     return True
 
 
-def recv_parts(socket: zmq.Socket, flags: int = 0) -> list:
+def recv_message(socket, flags=0):
+    """One multipart message, its parts below COPY_BELOW bytes as bytes and larger ones zero-copy;
+    None when ``flags`` has NOBLOCK and nothing is waiting."""
+    if COMPILED:
+        return _recv_c(socket, flags, None)
+    return _recv_py(socket, flags, None)
+
+
+def recv_routed(socket, prop):
+    """The next waiting message (NOBLOCK) and the message property ``prop`` libzmq attached
+    (``"Peer-Address"``, ``"User-Id"``), "" when it has none; None when nothing is waiting."""
+    if COMPILED:
+        return _recv_c(socket, _NOBLOCK, prop.encode())
+    return _recv_py(socket, _NOBLOCK, prop)
+
+
+def recv_parts(socket, flags=0):
     """Receive one multipart message as zmq.Frame objects (zero-copy)."""
     frame = socket.recv(flags, copy=False)
     parts = [frame]
@@ -48,3 +92,167 @@ def recv_parts(socket: zmq.Socket, flags: int = 0) -> list:
         frame = socket.recv(copy=False)
         parts.append(frame)
     return parts
+
+
+def _recv_py(socket, flags, prop):
+    try:
+        frame = socket.recv(flags, copy=False)
+    except zmq.Again:
+        return None
+    value = None
+    if prop is not None:
+        try:
+            value = frame.get(prop) or ""
+        except zmq.ZMQError:  # the transport attaches no such property
+            value = ""
+    parts = []
+    while True:
+        parts.append(frame.bytes if len(frame) < COPY_BELOW else frame)
+        if not frame.more:
+            break
+        frame = socket.recv(copy=False)
+    return parts if prop is None else (parts, value)
+
+
+# -- compiled only: libzmq called directly (declarations in sockets.pxd) -----------------------
+
+class Part:
+    """A received part of COPY_BELOW bytes or more, left where libzmq put it (compiled only)."""
+
+    def __dealloc__(self):
+        zmq_msg_close(cython.address(self.msg))
+
+    def __len__(self):
+        return self.size
+
+    def __getbuffer__(self, buffer: cython.pointer(Py_buffer), flags: cython.int):
+        PyBuffer_FillInfo(buffer, self, zmq_msg_data(cython.address(self.msg)), self.size, 1, flags)
+
+    @property
+    def buffer(self):
+        return memoryview(self)
+
+    @property
+    def bytes(self):
+        return bytes(memoryview(self))
+
+
+def _handle(socket):
+    if socket.closed:
+        raise zmq.ZMQError(_errno.ENOTSOCK)
+    return socket.underlying
+
+
+def _recv_c(socket, flags, prop):
+    """Every part of the next message; None if NOBLOCK found none. A blocking receive waits in
+    pyzmq's poll (the GIL released, signals seen), then takes the message without waiting."""
+    if not flags & _NOBLOCK:
+        while not socket.poll():
+            pass
+        flags |= _NOBLOCK
+    msg = cython.declare(mw_msg_t)
+    handle = cython.declare(cython.p_void,
+                            cython.cast(cython.p_void, cython.cast(cython.size_t, _handle(socket))))
+    more = cython.declare(cython.int, 1)
+    size = cython.declare(cython.size_t)
+    code = cython.declare(cython.int)
+    found = cython.declare(mw_cstr)
+    part = cython.declare(Part)
+    parts = []
+    value = None
+    while more:
+        zmq_msg_init(cython.address(msg))
+        rc = zmq_msg_recv(cython.address(msg), handle, flags)
+        if rc < 0:
+            zmq_msg_close(cython.address(msg))
+            code = zmq_errno()
+            if code == _EAGAIN and not parts:
+                return None
+            if code == _EINTR and not parts:
+                continue
+            raise zmq.ZMQError(code)  # a part missing from the middle of a message: never seen
+        if prop is not None and not parts:
+            found = zmq_msg_gets(cython.address(msg), prop)
+            value = found.decode(errors="replace") if found != cython.NULL else ""
+        more = zmq_msg_more(cython.address(msg))
+        size = zmq_msg_size(cython.address(msg))
+        if size < COPY_BELOW:
+            parts.append(PyBytes_FromStringAndSize(
+                cython.cast(cython.p_char, zmq_msg_data(cython.address(msg))), size))
+            zmq_msg_close(cython.address(msg))
+        else:
+            part = Part.__new__(Part)
+            zmq_msg_init(cython.address(part.msg))
+            zmq_msg_copy(cython.address(part.msg), cython.address(msg))  # shares, never copies
+            zmq_msg_close(cython.address(msg))
+            part.size = size
+            parts.append(part)
+        flags = 0
+    return parts if prop is None else (parts, value)
+
+
+def _send_c(socket, parts, first_flags):
+    """Each part as a libzmq message: bytes copied (they are small, or were made by us), a Part
+    shared, anything else (a zmq.Frame, a large buffer) through pyzmq, which keeps it alive until
+    libzmq is done with it. False if ``first_flags`` has NOBLOCK and the first part was not taken."""
+    msg = cython.declare(mw_msg_t)
+    handle = cython.declare(cython.p_void,
+                            cython.cast(cython.p_void, cython.cast(cython.size_t, _handle(socket))))
+    last = cython.declare(cython.Py_ssize_t, len(parts) - 1)
+    index = cython.declare(cython.Py_ssize_t, 0)
+    flag = cython.declare(cython.int)
+    size = cython.declare(cython.Py_ssize_t)
+    for part in parts:
+        flag = (_SNDMORE if index < last else 0) | (first_flags if index == 0 else 0)
+        if type(part) is bytes and PyBytes_GET_SIZE(part) < COPY_BELOW:
+            size = PyBytes_GET_SIZE(part)
+            if zmq_msg_init_size(cython.address(msg), size) < 0:
+                raise MemoryError()
+            memcpy(zmq_msg_data(cython.address(msg)), PyBytes_AS_STRING(part), size)
+            if not _sent_or_raise(cython.address(msg), handle, flag):
+                return False
+        elif type(part) is Part:
+            zmq_msg_init(cython.address(msg))
+            zmq_msg_copy(cython.address(msg), cython.address(cython.cast(Part, part).msg))
+            if not _sent_or_raise(cython.address(msg), handle, flag):
+                return False
+        else:
+            try:
+                socket.send(part, flag, copy=False)
+            except zmq.Again:
+                if index == 0 and first_flags & _NOBLOCK:
+                    return False
+                raise
+        index += 1
+    return True
+
+
+def _sent_or_raise(msg, handle, flags):
+    """1 once libzmq took the message; 0 if NOBLOCK found no room (the message is closed)."""
+    rc = cython.declare(cython.int)
+    code = cython.declare(cython.int)
+    while True:
+        rc = zmq_msg_send(msg, handle, flags)
+        if rc >= 0:
+            return 1
+        code = zmq_errno()
+        if code == _EINTR:
+            continue
+        zmq_msg_close(msg)
+        if code == _EAGAIN:
+            if flags & _NOBLOCK:
+                return 0
+            raise zmq.Again()
+        raise zmq.ZMQError(code)
+
+
+def _bind_libzmq():
+    """Find the libzmq pyzmq's extension module uses (sockets.pxd: mw_bind_libzmq)."""
+    from zmq.backend.cython import _zmq
+
+    if mw_bind_libzmq(_zmq.__file__.encode()) < 0:
+        raise ImportError(f"modelwarden.shared.sockets: libzmq not found through {_zmq.__file__}")
+
+
+if COMPILED:
+    _bind_libzmq()

@@ -1,7 +1,8 @@
 """The supervisor's loop: one ``poll()`` per pass, its timeout the nearest deadline.
 
-Each pass takes one message from each readable socket (zmq_poll is level-triggered, so the next
-pass sees whatever is left), which keeps every socket served in turn. Everything that happens is
+Each pass takes up to DRAIN_MAX messages from each readable socket (zmq_poll is level-triggered,
+so the next pass sees whatever is left), which keeps every socket served in turn; client and
+worker messages arrive through shared/sockets.py, small frames as bytes. Everything that happens is
 an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
 message (raw Unix sockets, ``supervisor/routing/bufferserver.py``), a worker
 message (backend ROUTER, admitted by supervisor/fleet/workerauth.py), a control command (control ROUTER:
@@ -36,7 +37,7 @@ import zmq
 
 from modelwarden import compiled
 from modelwarden.shared import __version__, protocol
-from modelwarden.shared.sockets import recv_parts, send_parts
+from modelwarden.shared.sockets import recv_message, recv_parts, recv_routed, send_parts
 from modelwarden.shared.config import ConfigError, ModelConfig, Settings, WorkerSpec, load_settings
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
                                          ProtocolError)
@@ -388,15 +389,23 @@ class Arbiter:
 
     def _on_frontend(self, index: int) -> None:
         sock = self.frontends[index]
-        for frames in _drain(sock):
+        transport = self._frontend_transport[index]
+        prop = identity.property_of(transport)
+        for _ in range(DRAIN_MAX):
+            received = recv_routed(sock, prop)
+            if received is None:
+                return
+            frames, raw = received
             try:
-                self._frontend_message(index, sock, frames)
+                self._frontend_message(index, sock, frames, identity.of_property(raw, transport))
             except Exception:
                 logger.exception("error handling a client message")
                 self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
                                        "internal error; see the daemon's log")
 
-    def _frontend_message(self, index: int, sock: zmq.Socket, frames: list) -> None:
+    def _frontend_message(self, index: int, sock: zmq.Socket, frames: list, peer: str) -> None:
+        """``frames`` as shared/sockets.py receives them (small ones bytes); ``peer`` the
+        identity whose shares the message counts against."""
         try:
             check_message(frames, self.settings.daemon.max_message_bytes)
         except ProtocolError as exc:
@@ -406,14 +415,13 @@ class Arbiter:
             return
         try:
             envelope = protocol.split_router_message(frames)
-            header = protocol.unpack_header(envelope.header.buffer)
+            header = protocol.unpack_header(envelope.header)
         except ProtocolError as exc:
             self.router.send_error(sock, protocol.reply_route(frames), None, exc.code, exc.message)
             return
         kind = header.get("type")
         if kind == protocol.INFER:
-            self.router.accept_infer(sock, (index, frames[0].bytes), envelope, header,
-                                     identity.of_message(frames[0], self._frontend_transport[index]))
+            self.router.accept_infer(sock, (index, bytes(frames[0])), envelope, header, peer)
             return
         request_id = protocol.request_id_of(header)
         try:
@@ -499,11 +507,14 @@ class Arbiter:
         send_parts(sock, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
     def _on_backend(self) -> None:
-        for frames in _drain(self.backend):
+        for _ in range(DRAIN_MAX):
+            frames = recv_message(self.backend, zmq.NOBLOCK)
+            if frames is None:
+                return
             self._guarded(functools.partial(self._worker_message, frames))
 
     def _worker_message(self, frames: list) -> None:
-        identity = frames[0].bytes
+        identity = bytes(frames[0])
         handle = self._by_identity.get(identity)
         header = None
         if handle is not None and len(frames) < 2:
@@ -511,7 +522,7 @@ class Arbiter:
             return
         if handle is not None:
             try:
-                header = protocol.unpack_header(frames[1].buffer, strict=False)
+                header = protocol.unpack_header(frames[1], strict=False)
             except ProtocolError as exc:
                 self.gate.refuse(identity, f"unreadable header: {exc.message}")
                 return
@@ -783,13 +794,3 @@ class Arbiter:
             return
         self._workers_told_to_stop = True
         self.fleet.shut_down()
-
-
-def _drain(sock: zmq.Socket):
-    """The messages waiting on a socket, up to DRAIN_MAX: one poll serves many messages, and no
-    one socket can starve the others."""
-    for _ in range(DRAIN_MAX):
-        try:
-            yield recv_parts(sock, zmq.NOBLOCK)
-        except zmq.Again:
-            return

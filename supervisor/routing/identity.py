@@ -59,11 +59,24 @@ def transport_of(endpoint: str, curve: bool) -> str:
     return CURVE if curve else TCP
 
 
+def property_of(transport: str) -> str:
+    """The message property libzmq attaches that says who sent it: the CURVE key's ZAP user id,
+    or the peer's address (HOST:UID:GID:PID on ipc://)."""
+    return "User-Id" if transport == CURVE else "Peer-Address"
+
+
 def of_message(frame, transport: str) -> str:
-    """The identity of the peer that sent the message ``frame`` belongs to."""
+    """The identity of the peer that sent the message ``frame`` (a zmq.Frame) belongs to."""
     try:
-        raw = frame.get("User-Id") if transport == CURVE else frame.get("Peer-Address")
+        raw = frame.get(property_of(transport))
     except Exception:  # no such property (a CURVE socket's plaintext peer cannot get this far)
+        return UNKNOWN
+    return of_property(raw, transport)
+
+
+def of_property(raw: str, transport: str) -> str:
+    """The identity named by the property ``property_of(transport)`` ("" when it had none)."""
+    if not raw:
         return UNKNOWN
     key = (transport, raw)
     identity = _PARSED.get(key)

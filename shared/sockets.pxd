@@ -1,0 +1,73 @@
+# C declarations for shared/sockets.py when Cython compiles it (its pure-Python mode: the .py
+# file is the one implementation; this file only gives its names C types).
+#
+# libzmq is called through pointers to the very functions pyzmq's extension calls (found with
+# dlsym on pyzmq's own loaded module: mw_bind_libzmq): one libzmq in the process, no zmq.h at
+# build time, no link to a library whose name a wheel's repair step renames.
+
+from cpython.buffer cimport Py_buffer, PyBuffer_FillInfo
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.errno cimport errno
+from libc.string cimport memcpy
+
+cdef extern from *:
+    """
+    #include <dlfcn.h>
+    /* libzmq's zmq_msg_t as zmq.h (4.x) lays it out on this ABI: 64 opaque bytes, pointer-aligned. */
+    typedef struct { unsigned char _[64] __attribute__((aligned(sizeof(void *)))); } mw_msg_t;
+    typedef const char *mw_cstr;
+    static int (*mw_zmq_msg_init)(mw_msg_t *);
+    static int (*mw_zmq_msg_init_size)(mw_msg_t *, size_t);
+    static int (*mw_zmq_msg_send)(mw_msg_t *, void *, int);
+    static int (*mw_zmq_msg_recv)(mw_msg_t *, void *, int);
+    static int (*mw_zmq_msg_close)(mw_msg_t *);
+    static int (*mw_zmq_msg_copy)(mw_msg_t *, mw_msg_t *);
+    static void *(*mw_zmq_msg_data)(mw_msg_t *);
+    static size_t (*mw_zmq_msg_size)(mw_msg_t *);
+    static int (*mw_zmq_msg_more)(mw_msg_t *);
+    static const char *(*mw_zmq_msg_gets)(mw_msg_t *, const char *);
+    static int (*mw_zmq_errno)(void);
+
+    /* The functions of the libzmq that the already-loaded module at `path` (pyzmq's extension)
+       uses: dlsym on its handle searches it and then the libraries it loaded. 0, or -1 if one
+       is missing. */
+    static int mw_bind_libzmq(const char *path) {
+        void *module = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+        if (module == NULL) return -1;
+    #define MW_BIND(name) *(void **)(&mw_##name) = dlsym(module, #name); if (!mw_##name) goto missing;
+        MW_BIND(zmq_msg_init) MW_BIND(zmq_msg_init_size) MW_BIND(zmq_msg_send)
+        MW_BIND(zmq_msg_recv) MW_BIND(zmq_msg_close) MW_BIND(zmq_msg_copy) MW_BIND(zmq_msg_data)
+        MW_BIND(zmq_msg_size) MW_BIND(zmq_msg_more) MW_BIND(zmq_msg_gets) MW_BIND(zmq_errno)
+    #undef MW_BIND
+        dlclose(module);  /* pyzmq keeps it loaded: this only drops our reference */
+        return 0;
+    missing:
+        dlclose(module);
+        return -1;
+    }
+    """
+    ctypedef struct mw_msg_t:
+        pass
+    ctypedef const char *mw_cstr
+    int zmq_msg_init "mw_zmq_msg_init"(mw_msg_t *)
+    int zmq_msg_init_size "mw_zmq_msg_init_size"(mw_msg_t *, size_t)
+    int zmq_msg_send "mw_zmq_msg_send"(mw_msg_t *, void *, int)
+    int zmq_msg_recv "mw_zmq_msg_recv"(mw_msg_t *, void *, int)
+    int zmq_msg_close "mw_zmq_msg_close"(mw_msg_t *)
+    int zmq_msg_copy "mw_zmq_msg_copy"(mw_msg_t *, mw_msg_t *)
+    void *zmq_msg_data "mw_zmq_msg_data"(mw_msg_t *)
+    size_t zmq_msg_size "mw_zmq_msg_size"(mw_msg_t *)
+    int zmq_msg_more "mw_zmq_msg_more"(mw_msg_t *)
+    mw_cstr zmq_msg_gets "mw_zmq_msg_gets"(mw_msg_t *, const char *)
+    int zmq_errno "mw_zmq_errno"()
+    int mw_bind_libzmq(const char *path)
+
+
+cdef class Part:
+    cdef mw_msg_t msg
+    cdef Py_ssize_t size
+
+
+cdef object _recv_c(object socket, int flags, object prop)
+cdef bint _send_c(object socket, list parts, int first_flags) except -1
+cdef int _sent_or_raise(mw_msg_t *msg, void *handle, int flags) except -1

@@ -1,0 +1,161 @@
+"""shared/sockets.py on real ZeroMQ sockets (ipc:// in a temporary directory): what a message
+becomes when it is received, what goes out when parts are sent, and the edges -- nothing
+waiting, a peerless socket, a closed socket. tests/test_compiled.py runs this file again on the
+uncompiled path, where the same functions go through pyzmq."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import zmq
+
+from modelwarden.shared import sockets
+from modelwarden.shared.sockets import (COPY_BELOW, recv_message, recv_parts, recv_routed,
+                                        send_parts, send_queued)
+from modelwarden.testing import poll_until
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A DEALER connected to a ROUTER over ipc://, no high-water marks; (dealer, router)."""
+    context = zmq.Context()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    for sock in (router, dealer):
+        sock.sndhwm = sock.rcvhwm = 0
+        sock.linger = 0
+    endpoint = f"ipc://{tmp_path}/s.sock"
+    router.bind(endpoint)
+    dealer.connect(endpoint)
+    yield dealer, router
+    dealer.close()
+    router.close()
+    context.term()
+
+
+def arrived(sock, flags=zmq.NOBLOCK):
+    """The next message on ``sock``, waiting for it to arrive."""
+    box = []
+    poll_until(lambda: box.append(recv_message(sock, flags)) or box[-1] is not None, timeout=10)
+    return box[-1]
+
+
+def test_small_parts_arrive_as_bytes_and_large_ones_stay_zero_copy_buffers(pair):
+    dealer, router = pair
+    big = os.urandom(COPY_BELOW + 1)
+    send_parts(dealer, [b"", b"MWP1", b"h" * (COPY_BELOW - 1), big])
+    identity, empty, signature, header, payload = arrived(router)
+    assert [type(part) for part in (identity, empty, signature, header)] == [bytes] * 4
+    assert (empty, signature, header) == (b"", b"MWP1", b"h" * (COPY_BELOW - 1))
+    assert type(payload) is not bytes and len(payload) == len(big)
+    assert bytes(payload) == big and payload.bytes == big
+    assert payload.buffer.tobytes() == big and memoryview(payload).nbytes == len(big)
+    assert np.frombuffer(payload, np.uint8)[:8].tobytes() == big[:8]
+
+
+def test_a_received_large_part_forwarded_arrives_whole(pair):
+    """The supervisor relays payload frames as it received them: a large one goes out again
+    without being turned into bytes, and arrives intact."""
+    dealer, router = pair
+    big = os.urandom(4 << 20)
+    send_parts(dealer, [b"", b"x", big])
+    route, empty, _, payload = arrived(router)
+    send_parts(router, [route, b"", b"y", payload, b"tail"])
+    back = arrived(dealer)
+    assert back[:2] == [b"", b"y"] and len(back[2]) == len(big) and bytes(back[2]) == big
+    assert back[3] == b"tail"
+
+
+def test_frames_of_every_kind_can_be_sent_together(pair):
+    dealer, router = pair
+    frame = zmq.Frame(b"f" * 100)
+    send_parts(dealer, [b"", frame, memoryview(b"m" * 10), bytearray(b"a" * 3), b"b" * (1 << 17)])
+    _, *parts = arrived(router)
+    assert [bytes(part) for part in parts] == [b"", b"f" * 100, b"m" * 10, b"a" * 3, b"b" * (1 << 17)]
+
+
+def test_an_empty_socket_answers_none_and_then_the_next_message(pair):
+    dealer, router = pair
+    assert recv_message(router, zmq.NOBLOCK) is None
+    assert recv_routed(router, "Peer-Address") is None
+    send_parts(dealer, [b"one"])
+    assert arrived(router)[1:] == [b"one"]
+    assert recv_message(router, zmq.NOBLOCK) is None
+
+
+def test_a_blocking_receive_waits_for_the_message(pair):
+    dealer, router = pair
+    send_parts(router, [_routing_id(dealer, router), b"late"])
+    assert recv_message(dealer) == [b"late"]
+
+
+def _routing_id(dealer, router) -> bytes:
+    send_parts(dealer, [b"hello"])
+    return arrived(router)[0]
+
+
+def test_the_peer_address_says_the_sending_process_uid(pair):
+    dealer, router = pair
+    send_parts(dealer, [b"x"])
+    box = []
+    poll_until(lambda: box.append(recv_routed(router, "Peer-Address")) or box[-1] is not None,
+               timeout=10)
+    parts, peer = box[-1]
+    assert parts[1:] == [b"x"]
+    assert peer.rsplit(":", 3)[1:] == [str(os.getuid()), str(os.getgid()), str(os.getpid())]
+
+
+def test_a_property_the_transport_lacks_is_empty(pair):
+    dealer, router = pair
+    send_parts(dealer, [b"x"])
+    box = []
+    poll_until(lambda: box.append(recv_routed(router, "User-Id")) or box[-1] is not None,
+               timeout=10)
+    assert box[-1][1] == ""
+
+
+def test_send_queued_refuses_without_a_peer_and_queues_with_one(tmp_path):
+    context = zmq.Context()
+    lonely = context.socket(zmq.DEALER)
+    lonely.linger = 0
+    try:
+        assert send_queued(lonely, [b"a", b"b"]) is False  # never connected: no pipe
+        lonely.connect(f"ipc://{tmp_path}/nobody.sock")
+        assert send_queued(lonely, [b"a", b"b"]) is True  # a connect's pipe queues
+    finally:
+        lonely.close()
+        context.term()
+
+
+def test_an_error_from_libzmq_is_raised_as_its_zmq_error(pair):
+    """ROUTER_MANDATORY reports an unknown peer as EHOSTUNREACH: the send raises it."""
+    dealer, router = pair
+    router.router_mandatory = True
+    with pytest.raises(zmq.ZMQError) as error:
+        send_parts(router, [b"nobody", b"x"])
+    assert error.value.errno == zmq.EHOSTUNREACH
+
+
+def test_a_closed_socket_raises_instead_of_touching_freed_memory(pair):
+    dealer, router = pair
+    router.close()
+    with pytest.raises(zmq.ZMQError):
+        recv_message(router, zmq.NOBLOCK)
+    with pytest.raises(zmq.ZMQError):
+        send_parts(router, [b"x"])
+
+
+def test_recv_parts_still_gives_frames(pair):
+    dealer, router = pair
+    send_parts(dealer, [b"x", b"y"])
+    poll_until(lambda: router.poll(0), timeout=10)
+    parts = recv_parts(router)
+    assert all(isinstance(part, zmq.Frame) for part in parts) and parts[1].bytes == b"x"
+
+
+def test_the_compiled_module_calls_libzmq_itself():
+    """When compiled, large parts are its own type, not pyzmq's: the libzmq path is in use."""
+    if not sockets.COMPILED:
+        pytest.skip("the uncompiled path (tests/test_compiled.py runs this file both ways)")
+    assert sockets.Part is not zmq.Frame and sockets.Part.__module__ == "modelwarden.shared.sockets"
