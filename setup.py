@@ -14,7 +14,6 @@ one a process runs.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "modelwarden"))
-from compiled_modules import COMPILED  # noqa: E402  (standard library only: no import of us)
+from compiled_modules import COMPILED, source_hash  # noqa: E402  (standard library only: no import of us)
 
 sys.path.pop(0)
 # Keep Python's semantics exactly: annotations are documentation here, never C types that
@@ -33,10 +32,6 @@ sys.path.pop(0)
 DIRECTIVES = {"language_level": 3, "annotation_typing": False, "binding": True,
               "embedsignature": True}
 MANIFEST = "modelwarden/_compiled.json"  # module -> sha256 of the source it was compiled from
-
-
-def source_hash(path: str) -> str:
-    return hashlib.sha256((ROOT / path).read_bytes()).hexdigest()
 
 
 class OptionalBuildExt(build_ext):
@@ -62,7 +57,7 @@ class OptionalBuildExt(build_ext):
         built = {}
         for ext in self.extensions:
             if Path(self.get_ext_fullpath(ext.name)).exists():
-                built[ext.name] = source_hash(COMPILED[ext.name])
+                built[ext.name] = source_hash(ROOT / COMPILED[ext.name])
         in_tree = self.inplace or getattr(self, "editable_mode", False)
         target = (ROOT if in_tree else Path(self.build_lib)) / MANIFEST
         target.parent.mkdir(parents=True, exist_ok=True)

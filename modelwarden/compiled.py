@@ -15,14 +15,13 @@ compiled and fresh (``--allow-uncompiled``: exit 0 for an uncompiled build).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
-from modelwarden.compiled_modules import COMPILED
+from modelwarden.compiled_modules import COMPILED, source_hash
 
 COMPILED_STATE, STALE, UNCOMPILED = "compiled", "stale", "uncompiled"
 MANIFEST = Path(__file__).with_name("_compiled.json")  # written by setup.py's build_ext
@@ -52,8 +51,7 @@ def report() -> dict[str, str]:
             continue
         # The .py beside the extension (the editable tree, or the wheel's copy).
         source = Path(origin).parent / (name.rpartition(".")[2] + ".py")
-        fresh = (source.exists() and name in built
-                 and hashlib.sha256(source.read_bytes()).hexdigest() == built[name])
+        fresh = source.exists() and name in built and source_hash(source) == built[name]
         states[name] = COMPILED_STATE if fresh else STALE
     return states
 

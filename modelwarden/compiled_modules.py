@@ -5,6 +5,9 @@ and checked, queued, batched, dispatched, the reply relayed), and the codec the 
 worker run per request. Lifecycle, probes, reload, the fleet and commands stay interpreted.
 """
 
+import hashlib
+from pathlib import Path
+
 COMPILED: dict[str, str] = {
     # the wire: parsers of untrusted bytes (fuzzed: tests/fuzz/)
     "modelwarden.shared.protocol": "shared/protocol.py",
@@ -24,5 +27,19 @@ COMPILED: dict[str, str] = {
 }
 
 
+def sources_of(py: Path) -> list[Path]:
+    """What one extension is compiled from: its .py, and the .pxd beside it that gives its names
+    C types (shared/sockets.pxd), if there is one. A build is fresh while both are unchanged."""
+    pxd = py.with_suffix(".pxd")
+    return [py, pxd] if pxd.exists() else [py]
+
+
+def source_hash(py: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sources_of(py):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 if __name__ == "__main__":  # the Makefile's list of sources to rebuild from
-    print(" ".join(COMPILED.values()))
+    print(" ".join(str(path) for py in COMPILED.values() for path in sources_of(Path(py))))

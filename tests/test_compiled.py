@@ -88,3 +88,22 @@ def test_the_uncompiled_path_passes_the_unit_tests_of_the_compiled_modules(uncom
                     timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1]
+
+
+def test_declarations_edited_after_the_build_make_their_module_stale(tmp_path):
+    """A .pxd is part of what its module was compiled from (shared/sockets.pxd gives C types):
+    editing it alone makes the build stale, and `make compile` rebuilds on it."""
+    tree = tmp_path / "tree"
+    copy_checkout(ROOT, tree)
+    built = Path(importlib.import_module("modelwarden.shared.sockets").__file__)
+    shutil.copy2(built, tree / "shared" / built.name)
+    shutil.copy2(compiled.MANIFEST, tree / "modelwarden" / compiled.MANIFEST.name)
+    fresh = run_in(tree, "-m", "modelwarden.compiled", "--allow-uncompiled")
+    assert "compiled   modelwarden.shared.sockets" in fresh.stdout, fresh.stdout + fresh.stderr
+    declarations = tree / "shared" / "sockets.pxd"
+    declarations.write_text(declarations.read_text() + "\n# edited after the build\n")
+    result = run_in(tree, "-m", "modelwarden.compiled", "--allow-uncompiled")
+    assert "stale      modelwarden.shared.sockets" in result.stdout, result.stdout
+    assert "shared/sockets.pxd" in subprocess.run(
+        [sys.executable, str(ROOT / "modelwarden" / "compiled_modules.py")], capture_output=True,
+        text=True, check=True).stdout

@@ -1,0 +1,250 @@
+"""Instructions per request in the supervisor, counted by callgrind: the measure this noisy
+2-core machine cannot spoil (CPU time moves with whatever else runs; instruction counts do not).
+
+    python bench/instructions.py [--requests N] [--top K] [--skip-uncompiled]
+
+Each row runs one process under ``valgrind --tool=callgrind`` with instrumentation off until the
+load starts, then counts every instruction of every thread of that process (libzmq's I/O thread
+included) over N requests, and divides:
+
+* ``floor``: a C ``zmq.proxy`` broker (ROUTER -> DEALER, the two hops our supervisor makes), REQ
+  clients and REP echoes outside valgrind, 1 KiB, 8 in flight: what routing costs with nothing
+  of ours in it;
+* ``supervisor``: our daemon serving W1 (MLP 64 -> 256 -> 10, [1, 64]) at 64 in flight to two
+  workers, batching off and on (max 16, no delay), compiled, and again on an uncompiled copy of
+  the checkout (the same sources, run as Python).
+
+Prints each row's instructions per request, its ratio to the floor, compiled / uncompiled, and
+the K functions with the most instructions (inclusive) in the compiled batching-off run: where
+the time goes. Needs valgrind (`apt-get install valgrind`); takes about 5 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+IN_FLIGHT, FLOOR_IN_FLIGHT = 64, 8
+WARMUP = 200
+
+
+def valgrind(out: Path, argv: list[str], **popen) -> subprocess.Popen:
+    return subprocess.Popen(["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no",
+                             f"--callgrind-out-file={out}", *argv], **popen)
+
+
+def control(pid: int, *args: str) -> None:
+    subprocess.run(["callgrind_control", *args, str(pid)], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+def counted(pid: int, out: Path, load) -> int:
+    """Run ``load()`` with instrumentation on; the instructions it cost the process."""
+    control(pid, "-i", "on")
+    load()
+    control(pid, "-d")
+    control(pid, "-i", "off")
+    dumps = sorted(out.parent.glob(out.name + ".*"), key=lambda path: path.stat().st_mtime)
+    return total_instructions(dumps[-1])
+
+
+def total_instructions(dump: Path) -> int:
+    for line in dump.read_text().splitlines():
+        if line.startswith("summary:") or line.startswith("totals:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no totals in {dump}")
+
+
+# -- the floor: C zmq.proxy -------------------------------------------------------------------
+
+PROXY = """
+import sys, zmq
+context = zmq.Context()
+front, back = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+front.bind(sys.argv[1]); back.bind(sys.argv[2])
+zmq.proxy(front, back)
+"""
+
+
+def _echo(endpoint: str, stop: threading.Event) -> None:
+    context = zmq.Context.instance()
+    rep = context.socket(zmq.REP)
+    rep.connect(endpoint)
+    poller = zmq.Poller()
+    poller.register(rep, zmq.POLLIN)
+    while not stop.is_set():
+        if poller.poll(100):
+            rep.send(rep.recv(copy=False), copy=False)
+    rep.close(0)
+
+
+def floor(workdir: Path, requests: int) -> int:
+    front, back = f"ipc://{workdir}/front.sock", f"ipc://{workdir}/back.sock"
+    out = workdir / "proxy.out"
+    proxy = valgrind(out, [sys.executable, "-c", PROXY, front, back])
+    stop = threading.Event()
+    echoes = [threading.Thread(target=_echo, args=(back, stop), daemon=True) for _ in range(2)]
+    for echo in echoes:
+        echo.start()
+    context = zmq.Context.instance()
+    data = np.random.default_rng(0).bytes(1024)
+    sockets = []
+    try:
+        for _ in range(FLOOR_IN_FLIGHT):
+            sock = context.socket(zmq.REQ)
+            sock.connect(front)
+            sock.send(data)
+            if not sock.poll(120_000):
+                raise RuntimeError("the proxy under valgrind did not answer")
+            sock.recv()
+            sockets.append(sock)
+
+        def load() -> None:
+            each = requests // FLOOR_IN_FLIGHT
+
+            def client(sock):
+                for _ in range(each):
+                    sock.send(data, copy=False)
+                    sock.recv(copy=False)
+
+            threads = [threading.Thread(target=client, args=(sock,)) for sock in sockets]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+
+        return counted(proxy.pid, out, load) // (requests // FLOOR_IN_FLIGHT * FLOOR_IN_FLIGHT)
+    finally:
+        stop.set()
+        for sock in sockets:
+            sock.close(0)
+        proxy.kill()
+        proxy.wait()
+
+
+# -- our supervisor ---------------------------------------------------------------------------
+
+def supervisor(workdir: Path, tree: Path, batching: dict | None, requests: int) -> int:
+    from bench import serving
+    from modelwarden import AsyncClient, Client
+
+    workloads = serving.make_workloads(["W1"])
+    runtime = workdir / ("on" if batching else "off") / tree.name
+    config = runtime / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text(serving.mw_config_text(runtime / "run", workloads, batching)
+                      .replace(f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]'))
+    out = runtime / "supervisor.out"
+    log = open(runtime / "daemon.log", "wb")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    daemon = valgrind(out, [sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
+                      cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"ipc://{runtime}/run/frontend.sock"
+    x = workloads["W1"].inputs[0]
+    try:
+        deadline = time.monotonic() + 600
+        with Client(endpoint, timeout=5) as client:
+            while True:
+                try:
+                    client.infer("w1", x, timeout=30)
+                    break
+                except Exception:
+                    if time.monotonic() > deadline or daemon.poll() is not None:
+                        raise RuntimeError((runtime / "daemon.log").read_text()[-3000:]) from None
+
+        async def run(count: int) -> None:
+            async with AsyncClient(endpoint, timeout=300) as client:
+                left = count
+
+                async def one():
+                    nonlocal left
+                    while left > 0:
+                        left -= 1
+                        await client.infer("w1", x)
+
+                await asyncio.gather(*[one() for _ in range(IN_FLIGHT)])
+
+        asyncio.run(run(WARMUP))
+        return counted(daemon.pid, out, lambda: asyncio.run(run(requests))) // requests
+    finally:
+        daemon.terminate()
+        try:
+            daemon.wait(120)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+
+
+def hottest(dump: Path, requests: int, top: int) -> list[tuple[int, str]]:
+    """The compiled functions (and libzmq's, libpython's) with the most inclusive instructions."""
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", str(dump)],
+                          capture_output=True, text=True).stdout
+    rows = []
+    for line in text.splitlines():
+        match = re.match(r"\s*([0-9,]+) \(\s*[0-9.]+%\)\s+(\S+)", line)
+        if match and "__pyx_pw_" in match.group(2):
+            name = re.sub(r".*__pyx_pw_\d+modelwarden_\d+", "", match.group(2))
+            rows.append((int(match.group(1).replace(",", "")) // requests, name))
+    return rows[:top]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--skip-uncompiled", action="store_true")
+    args = parser.parse_args()
+    if shutil.which("valgrind") is None:
+        print("valgrind is not installed (apt-get install valgrind): nothing measured")
+        return 1
+    from modelwarden import compiled
+    from modelwarden.testing import copy_checkout
+
+    workdir = Path(tempfile.mkdtemp(prefix="mw-instructions-"))
+    trees = {"compiled": ROOT}
+    if compiled.COMPILED_STATE not in compiled.report().values():
+        print("note: this tree runs uncompiled (make compile): its row says so")
+        trees = {"uncompiled": ROOT}
+    elif not args.skip_uncompiled:
+        copy_checkout(ROOT, workdir / "uncompiled")
+        trees["uncompiled"] = workdir / "uncompiled"
+    base = floor(workdir, args.requests)
+    print(f"{'row':<42}{'instructions/request':>22}{'x floor':>9}")
+    print(f"{'floor: C zmq.proxy, 1 KiB, 8 in flight':<42}{base:>22,}{1.0:>9.2f}")
+    results = {}
+    for batching in (None, {"max_size": 16, "max_delay_us": 0}):
+        for kind, tree in trees.items():
+            count = supervisor(workdir, tree, batching, args.requests)
+            results[(kind, bool(batching))] = count
+            label = f"supervisor W1@{IN_FLIGHT}, batching {'on' if batching else 'off'}, {kind}"
+            print(f"{label:<42}{count:>22,}{count / base:>9.2f}")
+    for on in (False, True):
+        if ("uncompiled", on) in results and ("compiled", on) in results:
+            ratio = results[("compiled", on)] / results[("uncompiled", on)]
+            print(f"compiled / uncompiled, batching {'on' if on else 'off'}: {ratio:.2f}")
+    if "compiled" in trees:
+        dumps = sorted((workdir / "off" / ROOT.name).glob("supervisor.out.*"))
+        if dumps:
+            print(f"\nwhere the compiled supervisor's instructions go (batching off, inclusive, per request):")
+            for count, name in hottest(dumps[-1], args.requests, args.top):
+                print(f"{count:>10,}  {name}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
