@@ -7,7 +7,7 @@
 
 from cpython.buffer cimport Py_buffer, PyBuffer_FillInfo
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from libc.errno cimport errno
+from cpython.exc cimport PyErr_CheckSignals
 from libc.string cimport memcpy
 
 cdef extern from *:
@@ -70,4 +70,4 @@ cdef class Part:
 
 cdef object _recv_c(object socket, int flags, object prop)
 cdef bint _send_c(object socket, list parts, int first_flags) except -1
-cdef int _sent_or_raise(mw_msg_t *msg, void *handle, int flags) except -1
+cdef int _sent_now(mw_msg_t *msg, void *handle, int flags) except -1

@@ -169,6 +169,7 @@ def _recv_c(socket, flags, prop):
             if code == _EAGAIN and not parts:
                 return None
             if code == _EINTR and not parts:
+                PyErr_CheckSignals()  # a handler may raise; else try again
                 continue
             raise zmq.ZMQError(code)  # a part missing from the middle of a message: never seen
         if prop is not None and not parts:
@@ -194,7 +195,9 @@ def _recv_c(socket, flags, prop):
 def _send_c(socket, parts, first_flags):
     """Each part as a libzmq message: bytes copied (they are small, or were made by us), a Part
     shared, anything else (a zmq.Frame, a large buffer) through pyzmq, which keeps it alive until
-    libzmq is done with it. False if ``first_flags`` has NOBLOCK and the first part was not taken."""
+    libzmq is done with it. libzmq is only ever asked not to wait: a part it cannot queue now
+    goes through pyzmq's blocking send, which waits without the GIL and runs signal handlers.
+    False if ``first_flags`` has NOBLOCK and the first part was not taken."""
     msg = cython.declare(mw_msg_t)
     handle = cython.declare(cython.p_void,
                             cython.cast(cython.p_void, cython.cast(cython.size_t, _handle(socket))))
@@ -202,23 +205,23 @@ def _send_c(socket, parts, first_flags):
     index = cython.declare(cython.Py_ssize_t, 0)
     flag = cython.declare(cython.int)
     size = cython.declare(cython.Py_ssize_t)
+    sent = cython.declare(cython.int)
     for part in parts:
         flag = (_SNDMORE if index < last else 0) | (first_flags if index == 0 else 0)
+        sent = 0
         if type(part) is bytes and PyBytes_GET_SIZE(part) < COPY_BELOW:
             size = PyBytes_GET_SIZE(part)
             if zmq_msg_init_size(cython.address(msg), size) < 0:
                 raise MemoryError()
             memcpy(zmq_msg_data(cython.address(msg)), PyBytes_AS_STRING(part), size)
-            if not _sent_or_raise(cython.address(msg), handle, flag):
-                return False
+            sent = _sent_now(cython.address(msg), handle, flag)
         elif type(part) is Part:
             zmq_msg_init(cython.address(msg))
             zmq_msg_copy(cython.address(msg), cython.address(cython.cast(Part, part).msg))
-            if not _sent_or_raise(cython.address(msg), handle, flag):
-                return False
-        else:
+            sent = _sent_now(cython.address(msg), handle, flag)
+        if not sent:
             try:
-                socket.send(part, flag, copy=False)
+                socket.send(part, flag, copy=False)  # a Part is a buffer: still no copy
             except zmq.Again:
                 if index == 0 and first_flags & _NOBLOCK:
                     return False
@@ -227,22 +230,27 @@ def _send_c(socket, parts, first_flags):
     return True
 
 
-def _sent_or_raise(msg, handle, flags):
-    """1 once libzmq took the message; 0 if NOBLOCK found no room (the message is closed)."""
+def _sent_now(msg, handle, flags):
+    """1 once libzmq queued the message without waiting; 0, the message closed, if it could not
+    queue it now. A signal that interrupts is handled (its handler may raise) and the send tried
+    again."""
     rc = cython.declare(cython.int)
     code = cython.declare(cython.int)
     while True:
-        rc = zmq_msg_send(msg, handle, flags)
+        rc = zmq_msg_send(msg, handle, flags | _NOBLOCK)
         if rc >= 0:
             return 1
         code = zmq_errno()
         if code == _EINTR:
+            try:
+                PyErr_CheckSignals()
+            except BaseException:
+                zmq_msg_close(msg)
+                raise
             continue
         zmq_msg_close(msg)
         if code == _EAGAIN:
-            if flags & _NOBLOCK:
-                return 0
-            raise zmq.Again()
+            return 0
         raise zmq.ZMQError(code)
 
 

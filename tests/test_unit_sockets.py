@@ -159,3 +159,46 @@ def test_the_compiled_module_calls_libzmq_itself():
     if not sockets.COMPILED:
         pytest.skip("the uncompiled path (tests/test_compiled.py runs this file both ways)")
     assert sockets.Part is not zmq.Frame and sockets.Part.__module__ == "modelwarden.shared.sockets"
+
+
+def test_a_send_that_must_wait_waits_without_holding_the_gil(tmp_path):
+    """A DEALER whose peer stops reading blocks in send_parts: the wait is pyzmq's (GIL released),
+    so this thread keeps running and sees the sender stuck; once the peer reads, every message
+    arrives. Held in C with the GIL, this test could not run a line until the peer read."""
+    import sys
+    import threading
+
+    context = zmq.Context()
+    router, dealer = context.socket(zmq.ROUTER), context.socket(zmq.DEALER)
+    for sock in (router, dealer):
+        sock.sndhwm = sock.rcvhwm = 1
+        sock.linger = 0
+    router.bind(f"ipc://{tmp_path}/full.sock")
+    dealer.connect(f"ipc://{tmp_path}/full.sock")
+    total, sent = 2000, [0]
+
+    def sender():
+        for index in range(total):
+            send_parts(dealer, [b"n", index.to_bytes(4, "big") * 4096])  # 16 KiB: bytes path
+            sent[0] += 1
+
+    thread = threading.Thread(target=sender, daemon=True)
+    thread.start()
+    try:
+        def stuck() -> bool:  # the sender's innermost Python frame is pyzmq's waiting send
+            frame = sys._current_frames().get(thread.ident)
+            return frame is not None and frame.f_code.co_name == "send" and sent[0] < total
+
+        poll_until(stuck, timeout=30, interval=0.01, message="the sender waiting on the full pipe")
+        received = 0
+        while received < total:
+            assert router.poll(10_000), f"only {received} of {total} arrived"
+            parts = recv_message(router, zmq.NOBLOCK)
+            assert int.from_bytes(bytes(parts[2][:4]), "big") == received
+            received += 1
+        thread.join(10)
+        assert not thread.is_alive() and sent[0] == total
+    finally:
+        dealer.close()
+        router.close()
+        context.term()
