@@ -34,10 +34,10 @@ def pair(tmp_path):
     context.term()
 
 
-def arrived(sock, flags=zmq.NOBLOCK):
-    """The next message on ``sock``, waiting for it to arrive."""
+def arrived(sock, flags=zmq.NOBLOCK, receive=recv_message):
+    """The next message on ``sock`` (what ``receive(sock, flags)`` returns), waiting for it."""
     box = []
-    poll_until(lambda: box.append(recv_message(sock, flags)) or box[-1] is not None, timeout=10)
+    poll_until(lambda: box.append(receive(sock, flags)) or box[-1] is not None, timeout=10)
     return box[-1]
 
 
@@ -98,10 +98,7 @@ def _routing_id(dealer, router) -> bytes:
 def test_the_peer_address_says_the_sending_process_uid(pair):
     dealer, router = pair
     send_parts(dealer, [b"x"])
-    box = []
-    poll_until(lambda: box.append(recv_routed(router, "Peer-Address")) or box[-1] is not None,
-               timeout=10)
-    parts, peer = box[-1]
+    parts, peer = arrived(router, "Peer-Address", recv_routed)
     assert parts[1:] == [b"x"]
     assert peer.rsplit(":", 3)[1:] == [str(os.getuid()), str(os.getgid()), str(os.getpid())]
 
@@ -109,10 +106,7 @@ def test_the_peer_address_says_the_sending_process_uid(pair):
 def test_a_property_the_transport_lacks_is_empty(pair):
     dealer, router = pair
     send_parts(dealer, [b"x"])
-    box = []
-    poll_until(lambda: box.append(recv_routed(router, "User-Id")) or box[-1] is not None,
-               timeout=10)
-    assert box[-1][1] == ""
+    assert arrived(router, "User-Id", recv_routed)[1] == ""
 
 
 def test_send_queued_refuses_without_a_peer_and_queues_with_one(tmp_path):
