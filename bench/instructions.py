@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +41,10 @@ IN_FLIGHT, FLOOR_IN_FLIGHT = 64, 8
 WARMUP = 200
 
 
-def valgrind(out: Path, argv: list[str], **popen) -> subprocess.Popen:
-    return subprocess.Popen(["valgrind", "-q", "--tool=callgrind", "--instr-atstart=no",
-                             f"--callgrind-out-file={out}", *argv], **popen)
+def valgrind(out: Path) -> tuple[str, ...]:
+    """The command prefix that runs a process under callgrind, counting nothing until told."""
+    return ("valgrind", "-q", "--tool=callgrind", "--instr-atstart=no",
+            f"--callgrind-out-file={out}")
 
 
 def control(pid: int, *args: str) -> None:
@@ -96,7 +95,7 @@ def _echo(endpoint: str, stop: threading.Event) -> None:
 def floor(workdir: Path, requests: int) -> int:
     front, back = f"ipc://{workdir}/front.sock", f"ipc://{workdir}/back.sock"
     out = workdir / "proxy.out"
-    proxy = valgrind(out, [sys.executable, "-c", PROXY, front, back])
+    proxy = subprocess.Popen([*valgrind(out), sys.executable, "-c", PROXY, front, back])
     stop = threading.Event()
     echoes = [threading.Thread(target=_echo, args=(back, stop), daemon=True) for _ in range(2)]
     for echo in echoes:
@@ -141,52 +140,36 @@ def floor(workdir: Path, requests: int) -> int:
 
 def supervisor(workdir: Path, tree: Path, batching: dict | None, requests: int) -> int:
     from bench import serving
-    from modelwarden import AsyncClient, Client
+    from modelwarden import AsyncClient
 
     workloads = serving.make_workloads(["W1"])
     runtime = workdir / ("on" if batching else "off") / tree.name
-    config = runtime / "config.toml"
-    config.parent.mkdir(parents=True)
-    config.write_text(serving.mw_config_text(runtime / "run", workloads, batching)
-                      .replace(f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]'))
+    runtime.mkdir(parents=True)
+    text = serving.mw_config_text(runtime / "run", workloads, batching).replace(
+        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
     out = runtime / "supervisor.out"
-    log = open(runtime / "daemon.log", "wb")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    daemon = valgrind(out, [sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
-                      cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"ipc://{runtime}/run/frontend.sock"
+    # Under valgrind the supervisor starts in about a minute; its workers run natively.
+    daemon, endpoint = serving.start_daemon(runtime, "supervisor", text, {"w1": workloads["W1"]},
+                                            wrapper=valgrind(out), tree=tree, ready_s=600)
     x = workloads["W1"].inputs[0]
+
+    async def run(count: int) -> None:
+        async with AsyncClient(endpoint, timeout=300) as client:
+            left = count
+
+            async def one():
+                nonlocal left
+                while left > 0:
+                    left -= 1
+                    await client.infer("w1", x)
+
+            await asyncio.gather(*[one() for _ in range(IN_FLIGHT)])
+
     try:
-        deadline = time.monotonic() + 600
-        with Client(endpoint, timeout=5) as client:
-            while True:
-                try:
-                    client.infer("w1", x, timeout=30)
-                    break
-                except Exception:
-                    if time.monotonic() > deadline or daemon.poll() is not None:
-                        raise RuntimeError((runtime / "daemon.log").read_text()[-3000:]) from None
-
-        async def run(count: int) -> None:
-            async with AsyncClient(endpoint, timeout=300) as client:
-                left = count
-
-                async def one():
-                    nonlocal left
-                    while left > 0:
-                        left -= 1
-                        await client.infer("w1", x)
-
-                await asyncio.gather(*[one() for _ in range(IN_FLIGHT)])
-
         asyncio.run(run(WARMUP))
         return counted(daemon.pid, out, lambda: asyncio.run(run(requests))) // requests
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(120)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        serving.stop_process(daemon)
 
 
 def hottest(dump: Path, requests: int, top: int) -> list[tuple[int, str]]:
@@ -239,7 +222,7 @@ def main() -> int:
     if "compiled" in trees:
         dumps = sorted((workdir / "off" / ROOT.name).glob("supervisor.out.*"))
         if dumps:
-            print(f"\nwhere the compiled supervisor's instructions go (batching off, inclusive, per request):")
+            print("\nwhere the compiled supervisor's instructions go (batching off, inclusive, per request):")
             for count, name in hottest(dumps[-1], args.requests, args.top):
                 print(f"{count:>10,}  {name}")
     shutil.rmtree(workdir, ignore_errors=True)

@@ -283,17 +283,22 @@ def mw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict
     return "\n".join(lines)
 
 
-def start_daemon(workdir: Path, label: str, text: str, models: dict[str, Workload]):
+def start_daemon(workdir: Path, label: str, text: str, models: dict[str, Workload],
+                 wrapper: tuple[str, ...] = (), tree: Path = ROOT, ready_s: float = 120):
+    """The daemon of config ``text``, once it serves every model; (process, endpoint).
+    ``wrapper`` runs it under another command (bench/instructions.py: valgrind), from the
+    checkout ``tree`` (its modules first on PYTHONPATH)."""
     from modelwarden.client.client import Client
 
     slug = label.replace(" ", "_").replace(",", "")
     config = workdir / f"{slug}.toml"
     config.write_text(text)
     log = open(workdir / f"{slug}.log", "wb")
-    daemon = subprocess.Popen([sys.executable, "-m", "modelwarden", "serve", "--config", str(config)],
-                              cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    daemon = subprocess.Popen([*wrapper, sys.executable, "-m", "modelwarden", "serve", "--config",
+                               str(config)], cwd=tree, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PYTHONPATH": str(tree)} if tree != ROOT else None)
     endpoint = f"ipc://{workdir}/run/frontend.sock"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + ready_s
     with Client(endpoint, timeout=2) as client:
         for name, workload in models.items():
             while True:

@@ -150,17 +150,13 @@ def test_a_connection_over_its_identitys_share_is_shut_by_the_guard():
 
 
 def test_identities_come_from_the_kernels_credentials():
-    class Frame:
-        def __init__(self, **properties):
-            self.properties = properties
-
-        def get(self, name):
-            return self.properties[name]
-
-    assert identity.of_message(Frame(**{"Peer-Address": "localhost:1001:1001:4070"}), identity.IPC) == "uid:1001"
-    assert identity.of_message(Frame(**{"Peer-Address": "fe80::1:2:3"}), identity.TCP) == "addr:fe80::1:2:3"
-    assert identity.of_message(Frame(**{"User-Id": "key:alice"}), identity.CURVE) == "key:alice"
-    assert identity.of_message(Frame(), identity.CURVE) == identity.UNKNOWN
+    # The message property shared/sockets.recv_routed returns ("" when the transport has none).
+    assert identity.property_of(identity.IPC) == identity.property_of(identity.TCP) == "Peer-Address"
+    assert identity.property_of(identity.CURVE) == "User-Id"
+    assert identity.of_property("localhost:1001:1001:4070", identity.IPC) == "uid:1001"
+    assert identity.of_property("fe80::1:2:3", identity.TCP) == "addr:fe80::1:2:3"
+    assert identity.of_property("key:alice", identity.CURVE) == "key:alice"
+    assert identity.of_property("", identity.CURVE) == identity.UNKNOWN
     left, right = socket.socketpair()
     with left, right:
         assert identity.of_descriptor(left.fileno()) == f"uid:{os.getuid()}"

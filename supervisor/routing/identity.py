@@ -65,17 +65,9 @@ def property_of(transport: str) -> str:
     return "User-Id" if transport == CURVE else "Peer-Address"
 
 
-def of_message(frame, transport: str) -> str:
-    """The identity of the peer that sent the message ``frame`` (a zmq.Frame) belongs to."""
-    try:
-        raw = frame.get(property_of(transport))
-    except Exception:  # no such property (a CURVE socket's plaintext peer cannot get this far)
-        return UNKNOWN
-    return of_property(raw, transport)
-
-
 def of_property(raw: str, transport: str) -> str:
-    """The identity named by the property ``property_of(transport)`` ("" when it had none)."""
+    """The identity of a message's sender, from its property ``property_of(transport)`` as
+    shared/sockets.recv_routed returns it ("" when the message had none)."""
     if not raw:
         return UNKNOWN
     key = (transport, raw)
