@@ -10,6 +10,7 @@ from pathlib import Path
 
 COMPILED: dict[str, str] = {
     # the wire: parsers of untrusted bytes (fuzzed: tests/fuzz/)
+    "modelwarden.shared.mpack": "shared/mpack.py",
     "modelwarden.shared.protocol": "shared/protocol.py",
     "modelwarden.shared.descriptors": "shared/descriptors.py",
     "modelwarden.shared.sockets": "shared/sockets.py",
@@ -18,6 +19,7 @@ COMPILED: dict[str, str] = {
     "modelwarden.supervisor.routing.service": "supervisor/routing/service.py",
     "modelwarden.supervisor.routing.batching": "supervisor/routing/batching.py",
     "modelwarden.supervisor.routing.requests": "supervisor/routing/requests.py",
+    "modelwarden.supervisor.routing.deadlines": "supervisor/routing/deadlines.py",
     "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
     "modelwarden.supervisor.routing.quotas": "supervisor/routing/quotas.py",
     # the codec of the client and the worker

@@ -5,16 +5,19 @@ the frontend, control and admin sockets and on the buffer channel, the tensor en
 error codes and limits, with worked examples; its Appendix A has the internal messages between
 the supervisor and its workers. This module holds what both ends must agree on, as constants and
 parsers that never assert (``ProtocolError(code, message, detail)``): message types, error codes,
-dtypes, limits, header parsing. It imports nothing else of ours, so any client may vendor it.
+dtypes, limits, header parsing. It imports nothing of ours but shared/mpack.py (the msgpack
+reader it decodes headers with), so any client may vendor the two.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import msgpack
+
+import modelwarden.shared.mpack as mpack
+from modelwarden.shared.mpack import pack as pack_value, pack_uint, unpack as read_msgpack
 
 SIGNATURE = b"MWP1"
 PROTOCOL_VERSION = 1
@@ -87,33 +90,11 @@ ELEMENT_PREFIX = 4  # bytes of each element's length prefix
 
 TOKEN_RE = re.compile(r"[0-9a-f]{32}")
 
-class _MapKeyError(ValueError):
-    """A map key that is not a str, or a key that appears twice in one map."""
-
-
-def _strict_map(pairs: list) -> dict:
-    # msgpack accepts bin keys (b"type" beside "type") and keeps the last of duplicate keys; a
-    # peer could then show one value to a validator and another to a consumer. Refuse both.
-    header = dict(pairs)
-    if len(header) != len(pairs):
-        raise _MapKeyError("a map repeats a key")
-    for key in header:
-        if type(key) is not str:
-            raise _MapKeyError("map keys must be strings")
-    return header
-
-
-_UNPACK_LIMITS = dict(
-    max_str_len=MAX_HEADER_BYTES,
-    max_bin_len=MAX_ID_BYTES,
-    max_array_len=4 * MAX_TENSORS,
-    max_map_len=4 * MAX_TENSORS,
-    max_ext_len=0,
-    raw=False,
-    strict_map_key=True,
-    use_list=True,
-)
-_STRICT_UNPACK_LIMITS = dict(_UNPACK_LIMITS, object_pairs_hook=_strict_map)
+# What one header may hold, enforced while it is decoded (shared/mpack.py): a str as long as a
+# header, a bin as long as an id, and four entries per tensor in any one array or map.
+_MAX_STR = MAX_HEADER_BYTES
+_MAX_BIN = MAX_ID_BYTES
+_MAX_ENTRIES = 4 * MAX_TENSORS
 
 
 # -- error details: machine-readable refinements of a code, for clients to act on -------------
@@ -169,38 +150,63 @@ def add_to_map(packed, key: str, value: Any) -> bytes:
     the reply header a worker wrote. ``key`` must not be in the map already."""
     first = packed[0]
     if 0x80 <= first < 0x8F:  # a fixmap with room for one more entry
-        return b"".join((bytes((first + 1,)), packed[1:], pack(key), pack(value)))
+        return b"".join((_FIXMAPS[first + 1 - 0x80], packed[1:], pack_value(key), pack_value(value)))
     header = unpack_header(packed, strict=False)
     header[key] = value
     return pack(header)
 
 
+_FIXMAPS = [bytes((0x80 + size,)) for size in range(16)]  # a fixmap's first byte, by size
+_TIMING_KEY = pack_value("timing") + b"\x84" + pack_value("queue_us")
+_COMPUTE_KEY = pack_value("compute_us")
+_TOTAL_KEY = pack_value("total_us")
+_BATCH_KEY = pack_value("batch")
+
+
+def add_timing(packed, queue_us: int, compute_us: Any, total_us: int, batch: Any) -> bytes:
+    """``add_to_map(packed, "timing", {"queue_us": ..., "compute_us": ..., "total_us": ...,
+    "batch": ...})``, byte for byte, with the keys packed once: every answer gets one."""
+    first = packed[0]
+    if not 0x80 <= first < 0x8F:
+        return add_to_map(packed, "timing", {"queue_us": queue_us, "compute_us": compute_us,
+                                             "total_us": total_us, "batch": batch})
+    return b"".join((_FIXMAPS[first + 1 - 0x80], packed[1:], _TIMING_KEY, pack_uint(queue_us),
+                     _COMPUTE_KEY, _pack_count(compute_us), _TOTAL_KEY, pack_uint(total_us),
+                     _BATCH_KEY, _pack_count(batch)))
+
+
+def _pack_count(value: Any) -> bytes:
+    """A value a worker reported (an int, as a rule): the short way when it is one."""
+    return pack_uint(value) if type(value) is int and value >= 0 else pack_value(value)
+
+
 def unpack_header(buf, strict: bool = True) -> dict:
     """Decode one header frame with hard limits; never trusts its size or shape.
 
-    ``strict`` also refuses non-str map keys and repeated keys; it costs a Python call per map,
-    so headers a strict parse already accepted (the client header the supervisor forwards to a
-    worker, unchanged) and messages between the daemon's own processes skip it."""
+    ``strict`` also refuses non-str map keys and repeated keys (msgpack would keep the last, so a
+    validator and a consumer could read two values); it is for what an outsider sends. Headers a
+    strict parse already accepted (the client header a worker gets, unchanged) and messages
+    between the daemon's own processes are read without it."""
     if len(buf) > MAX_HEADER_BYTES:
         raise bad(f"header frame of {len(buf)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(buf, **(_STRICT_UNPACK_LIMITS if strict else _UNPACK_LIMITS))
-    except _MapKeyError as exc:
-        raise bad(f"header is not acceptable: {exc}") from None
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise bad(f"header is not valid msgpack ({type(exc).__name__})") from None
+        header = read_msgpack(buf, strict, _MAX_STR, _MAX_BIN, _MAX_ENTRIES)
+    except mpack.NotAcceptable as exc:
+        raise bad(f"header is not acceptable: {exc.reason}") from None
+    except mpack.Malformed as exc:
+        raise bad(f"header is not valid msgpack ({exc.reason})") from None
     if not isinstance(header, dict):
         raise bad("header must be a msgpack map")
     return header
 
 
-@dataclass(slots=True)
 class Envelope:
     """A ROUTER-side message split into its parts; ``route`` is what a reply is sent back to."""
 
-    route: list
-    header: Any  # the raw header frame
-    payload: list
+    def __init__(self, route, header, payload):
+        self.route = route  # [routing id] or [routing id, b""]
+        self.header = header  # the raw header frame
+        self.payload = payload  # the payload frames
 
 
 def split_router_message(frames: list) -> Envelope:
@@ -212,7 +218,8 @@ def split_router_message(frames: list) -> Envelope:
     body = frames[len(route):]
     if len(body) < 2:
         raise bad("expected signature and header frames")
-    if bytes(body[0]) != SIGNATURE:
+    signature = body[0]
+    if (signature if type(signature) is bytes else bytes(signature)) != SIGNATURE:
         raise bad("bad signature frame: expected b'MWP1'")
     return Envelope(route, body[1], body[2:])
 
@@ -293,6 +300,11 @@ class TensorDesc(NamedTuple):
     longest: int | None = None  # str/bytes: the longest element's bytes; None for fixed dtypes
 
 
+def _desc(dtype, shape, nbytes, frame, shm, longest):
+    """``TensorDesc(...)`` without its Python-level ``__new__`` (the same tuple, made in C)."""
+    return tuple.__new__(TensorDesc, (dtype, shape, nbytes, frame, shm, longest))
+
+
 def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     """prod(shape) * itemsize, refusing anything above MAX_TENSOR_BYTES at every step.
 
@@ -355,11 +367,11 @@ def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
     if has_frame:
         if value["frame"] != next_frame or not _is_int(value["frame"]):
             raise bad(f"{what}: inline tensors must number their frames 0, 1, 2... in order")
-        return TensorDesc(dtype, shape, nbytes, frame=next_frame, longest=longest)
+        return _desc(dtype, shape, nbytes, next_frame, None, longest)
     region = parse_region(value["shm"], what)
     if region[2] != nbytes:
         raise bad(f"{what}: region holds {region[2]} bytes but {_needs(dtype)} needs {nbytes}")
-    return TensorDesc(dtype, shape, nbytes, shm=region, longest=longest)
+    return _desc(dtype, shape, nbytes, None, region, longest)
 
 
 def _needs(dtype: str) -> str:
@@ -441,18 +453,23 @@ def _walk_tree(node: Any, n_tensors: int, seen: set[int], depth: int) -> None:
         raise bad("tensor tree nodes are ints, lists, {'tuple': [...]} or {'dict': {...}}")
 
 
-@dataclass(slots=True)
 class InferRequest:
-    id: Any
-    model: str
-    tree: Any
-    tensors: list[TensorDesc]
-    timeout_ms: int | None
-    out: tuple[str, int, int] | None
+    """A checked infer header (compiled, an extension type: protocol.pxd)."""
+
+    def __init__(self, id, model, tree, tensors, timeout_ms, out):
+        self.id = id
+        self.model = model
+        self.tree = tree
+        self.tensors = tensors  # [TensorDesc]
+        self.timeout_ms = timeout_ms  # int, or None
+        self.out = out  # (token, offset, nbytes), or None
 
     def buffers(self) -> set[str]:
         """The tokens this request references."""
-        tokens = {desc.shm[0] for desc in self.tensors if desc.shm is not None}
+        tokens = set()
+        for desc in self.tensors:
+            if desc.shm is not None:
+                tokens.add(desc.shm[0])
         if self.out is not None:
             tokens.add(self.out[0])
         return tokens
@@ -464,7 +481,10 @@ def parse_infer(header: dict, n_frames: int) -> InferRequest:
     model = require_str(header, "model")
     tensors = parse_tensors(header.get("tensors"))
     check_tree(header.get("inputs"), len(tensors))
-    inline = sum(1 for desc in tensors if desc.frame is not None)
+    inline = 0
+    for desc in tensors:
+        if desc.frame is not None:
+            inline += 1
     if inline != n_frames:
         raise bad(f"{inline} inline tensors but {n_frames} payload frames")
     timeout_ms = header.get("timeout_ms")

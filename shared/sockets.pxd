@@ -68,6 +68,7 @@ cdef class Part:
     cdef Py_ssize_t size
 
 
+cpdef send_parts(object socket, list parts)
 cdef object _recv_c(object socket, int flags, object prop)
 cdef bint _send_c(object socket, list parts, int first_flags) except -1
 cdef int _sent_now(mw_msg_t *msg, void *handle, int flags) except -1

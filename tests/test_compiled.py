@@ -21,7 +21,7 @@ from modelwarden.testing import copy_checkout
 from tests.helpers import ROOT, Daemon, mlp_model, poll_until
 
 # The unit tests of the compiled modules, run again on the uncompiled path (about a minute).
-UNIT_TESTS = ["tests/test_unit_protocol.py", "tests/test_unit_sockets.py", "tests/test_unit_codec.py",
+UNIT_TESTS = ["tests/test_unit_mpack.py", "tests/test_unit_deadlines.py", "tests/test_unit_protocol.py", "tests/test_unit_sockets.py", "tests/test_unit_codec.py",
               "tests/test_unit_router.py", "tests/test_unit_batching.py", "tests/test_unit_requests.py",
               "tests/test_unit_limits.py", "tests/test_unit_quotas.py", "tests/test_unit_session.py",
               "tests/test_wire_text.py"]

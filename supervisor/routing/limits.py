@@ -180,4 +180,8 @@ class ReplyLedger:
 
 
 def payload_bytes(frames: Any) -> int:
-    return sum(map(len, frames)) if frames else 0
+    total = 0
+    if frames:
+        for frame in frames:
+            total += len(frame)
+    return total

@@ -3,7 +3,6 @@ holding it dies."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from modelwarden.shared.protocol import POISON, WORKER_DIED, BAD_INPUT, ProtocolError
@@ -13,32 +12,37 @@ from modelwarden.shared.protocol import POISON, WORKER_DIED, BAD_INPUT, Protocol
 POISON_AFTER_DEATHS = 2
 
 
-@dataclass(eq=False, slots=True)
 class Request:
-    rid: int
-    socket: Any  # the frontend socket it came in on: the reply goes out there
-    route: list  # routing id (+ delimiter) to address the reply
-    client_id: Any  # the client's own id, echoed in the reply
-    model: str
-    header_frame: Any  # forwarded to the worker unchanged
-    payload: list  # payload frames, forwarded unchanged (zero-copy)
-    received_ns: int
-    deadline: float
-    timer: Any = None
-    worker: Any = None  # the WorkerHandle holding it, if dispatched
-    dispatched_ns: int = 0
-    deaths: int = 0
-    done: bool = False
-    connection: Any = None  # (frontend index, routing id): whose byte budgets it counts against
-    nbytes: int = 0  # inline payload bytes held until it is answered
-    buffers: tuple = ()  # the buffer tokens it references: passed to a worker before it runs
-    arrived: float = 0.0  # the supervisor's clock when it was accepted
-    batch_key: Any = None  # supervisor.batching.signature: None never shares a forward pass
-    rows: int = 0  # its size along the batch dimension
-    alone: bool = False  # it was in a batch when its worker died: from now on it runs alone
-    queued_under_load: bool = False  # it found no worker with room (or a queue): it may wait
-    batch_size: int = 1  # the size of the batch it was last dispatched in
-    identity: str = "-"  # whose shares it counts against (supervisor/routing/quotas.py)
+    """One accepted request, from its arrival to its one answer. Compiled, an extension type
+    whose fields are C slots (requests.pxd): the router reads and writes them on every step."""
+
+    def __init__(self, rid, socket, route, client_id, model, header_frame, payload, received_ns,
+                 deadline, connection=None, nbytes=0, buffers=(), identity="-"):
+        self.rid = rid
+        self.socket = socket  # the frontend socket it came in on: the reply goes out there
+        self.route = route  # routing id (+ delimiter) to address the reply
+        self.client_id = client_id  # the client's own id, echoed in the reply
+        self.model = model
+        self.header_frame = header_frame  # forwarded to the worker unchanged
+        self.payload = payload  # payload frames, forwarded unchanged (zero-copy)
+        self.received_ns = received_ns
+        self.deadline = deadline
+        self.connection = connection  # (frontend index, routing id): whose byte budgets it counts against
+        self.nbytes = nbytes  # inline payload bytes held until it is answered
+        self.buffers = buffers  # the buffer tokens it references: passed to a worker before it runs
+        self.identity = identity  # whose shares it counts against (supervisor/routing/quotas.py)
+        self.timer = None
+        self.worker = None  # the WorkerHandle holding it, if dispatched
+        self.dispatched_ns = 0
+        self.deaths = 0
+        self.done = False
+        self.arrived = 0.0  # the supervisor's clock when it was accepted
+        self.batch_key = None  # supervisor.batching.signature: None never shares a forward pass
+        self.rows = 0  # its size along the batch dimension
+        self.alone = False  # it was in a batch when its worker died: from now on it runs alone
+        self.queued_under_load = False  # it found no worker with room (or a queue): it may wait
+        self.batch_size = 1  # the size of the batch it was last dispatched in
+        self.timeout = 0.0  # the seconds its deadline was set from (its lane in routing/deadlines.py)
 
 
 class Refused(NamedTuple):
@@ -55,12 +59,12 @@ class Refused(NamedTuple):
     batch_size: int = 1
 
 
-@dataclass(eq=False, slots=True)
 class ProbeRequest:
     """The sentinel's own request: it has no client, only a worker and a start time."""
 
-    rid: int
-    worker: Any
+    def __init__(self, rid, worker):
+        self.rid = rid
+        self.worker = worker
 
 
 def after_worker_death(request: Request, retries: int) -> str | None:

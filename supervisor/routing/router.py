@@ -12,7 +12,6 @@ result, a TIMEOUT from its deadline timer, a retry verdict after a worker death,
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -20,12 +19,15 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import zmq
 
 from modelwarden.shared import fdchannel, protocol
+from modelwarden.shared.mpack import pack_uint
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
                                          SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
-                                         ProtocolError)
+                                         ProtocolError, add_timing, frame_lengths_match,
+                                         parse_infer, request_id_of)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.routing import batching
+from modelwarden.supervisor.routing.deadlines import Deadlines
 from modelwarden.supervisor.fleet.handle import WorkerHandle
 from modelwarden.supervisor.routing.limits import ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.fleet import probes
@@ -47,6 +49,7 @@ logger = logging.getLogger(__name__)
 # for a fraction of the cost on the hot path.
 _RUN_PREFIX = (b"\x82" + protocol.pack("type") + protocol.pack(protocol.RUN)
                + protocol.pack("rid"))
+_NO_FRAMES: list = []
 
 
 @runtime_checkable
@@ -77,13 +80,15 @@ class RouterHost(Protocol):
 
 class Router:
     """Every request's life, from acceptance to its one answer: the queues, what each worker
-    holds (``WorkerHandle.inflight``, written only here), the probes in flight, the deadlines."""
+    holds (``WorkerHandle.inflight``, written only here), the probes in flight, the deadlines.
+    Compiled, an extension type (router.pxd) whose per-request methods are called the C way."""
 
     def __init__(self, host: RouterHost) -> None:
         self.host = host
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
         self.services = Services()  # model name -> its request state (routing/service.py)
-        self._rids = itertools.count(1)
+        self._next_rid = 1
+        self.deadlines = Deadlines(host.timers, host.clock, self.expire)
         daemon = host.settings.daemon
         self.request_bytes = RequestBytes(daemon.max_request_bytes_per_connection,
                                           daemon.max_request_bytes)
@@ -92,6 +97,11 @@ class Router:
         # code; timing as the client sees it, None for an error. Metrics and the access log.
         self.observers: list = []
 
+    def _new_rid(self) -> int:
+        rid = self._next_rid
+        self._next_rid = rid + 1
+        return rid
+
     # -- intake -----------------------------------------------------------------------------
 
     def accept_infer(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
@@ -99,30 +109,35 @@ class Router:
         """``connection`` is (frontend index, routing id); ``identity`` whose shares the request
         counts against (supervisor/routing/identity.py)."""
         host = self.host
-        request_id = protocol.request_id_of(header)
+        request_id = request_id_of(header)
         pool = None
         try:
             if host.stopping:
                 raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
-            parsed = protocol.parse_infer(header, len(envelope.payload))
-            protocol.frame_lengths_match(parsed.tensors, envelope.payload)
+            payload = envelope.payload
+            parsed = parse_infer(header, len(payload))
+            frame_lengths_match(parsed.tensors, payload)
             pool = host.pools.get(parsed.model)
             if pool is None:
                 raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
                                     f"configured: {', '.join(host.pools)}")
+            service = self.services[pool.name]
+            service.follow(pool.config)
             buffers = self._check_regions(connection[0], parsed)
-            check_declared(parsed.tree, parsed.tensors, pool.config.inputs)
+            if service.inputs is not None:
+                check_declared(parsed.tree, parsed.tensors, service.inputs)
             if pool.all_fatal():
                 raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL or "
                                     "stopped; see `modelwarden status`, then `modelwarden restart`")
-            queue = self.services[pool.name].queue
-            if len(queue) >= pool.config.max_queue:
+            queue = service.queue
+            if len(queue) >= service.max_queue:
                 raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(queue)} requests "
                                     "queued (max_queue); retry later")
-            refusal = self.replies.refusal(connection)
-            if refusal is not None:
-                raise ProtocolError(OVERLOADED, refusal)
-            nbytes = payload_bytes(envelope.payload)
+            if self.replies.backlogs:
+                refusal = self.replies.refusal(connection)
+                if refusal is not None:
+                    raise ProtocolError(OVERLOADED, refusal)
+            nbytes = payload_bytes(payload)
             self._take_budgets(connection, identity, nbytes)  # last: nothing refuses it after this
         except ProtocolError as exc:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
@@ -133,19 +148,19 @@ class Router:
                     observe(refused, exc.code, None)
             return
         now = host.clock()
-        timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else pool.config.timeout
-        request = Request(next(self._rids), socket, envelope.route, parsed.id, pool.name,
-                          envelope.header, envelope.payload, time.perf_counter_ns(), now + timeout,
-                          connection=connection, nbytes=nbytes, buffers=buffers, identity=identity)
-        request.timer = host.timers.call_at(request.deadline, self.expire, request)
+        timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else service.timeout
+        request = Request(self._new_rid(), socket, envelope.route, parsed.id, pool.name,
+                          envelope.header, payload, time.perf_counter_ns(), now + timeout,
+                          connection, nbytes, buffers, identity)
+        request.timeout = timeout
         request.arrived = now
-        batch = pool.config.batching
-        if batch.enabled:
-            request.batch_key, request.rows = (
-                batching.signature(parsed, batch, pool.config.source.startswith("handler:"))
-                or (None, 0))
+        if service.batch_enabled:
+            key = batching.signature(parsed, service.batching, service.handler)
+            if key is not None:
+                request.batch_key, request.rows = key
             request.queued_under_load = bool(queue) or pool.least_loaded() is None
         self.pending[request.rid] = request
+        self.deadlines.add(request, timeout)
         queue.append(request)
         self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
 
@@ -210,24 +225,30 @@ class Router:
 
     def dispatch(self, pool: "ModelPool") -> None:
         service = self.services[pool.name]
+        service.follow(pool.config)
         queue = service.queue
+        if not queue:
+            return
         now = self.host.clock()
-        config = pool.config.batching
+        config = service.batching
         while queue:
             handle = pool.least_loaded()
             if handle is None:
                 return
-            members = batching.pick(queue, config)
-            if config.max_delay_us and self._hold(service, pool, members, now):
-                return
-            batching.remove(queue, members)
+            if service.batch_enabled:
+                members = batching.pick(queue, config)
+                if service.max_delay_us and self._hold(service, pool, members, now):
+                    return
+                batching.remove(queue, members)
+            else:
+                members = [queue.popleft()]
             members = [request for request in members
                        if not request.done and self._pass_buffers(handle, request)]
             if len(members) == 1:
                 self._send(handle, members[0], now)
             elif members:
                 self._send_batch(handle, members, now)
-            if members and config.enabled:
+            if members and service.batch_enabled:
                 service.batches.record(len(members))
 
     def _hold(self, service: ModelService, pool: "ModelPool", members: list, now: float) -> bool:
@@ -253,6 +274,8 @@ class Router:
     def _pass_buffers(self, handle: WorkerHandle, request: Request) -> bool:
         """Hand the worker the descriptors of the buffers it lacks; False if the request was
         answered instead (a token revoked while it waited, or the worker's pair is full)."""
+        if not request.buffers:
+            return True
         missing = [token for token in request.buffers if token not in handle.buffers]
         if not missing:
             return True
@@ -281,10 +304,10 @@ class Router:
         return True
 
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
-        envelope = _RUN_PREFIX + protocol.pack(request.rid)
-        send_parts(self.host.backend,
-                   [handle.identity, envelope, request.header_frame, *request.payload])
-        self._mark_sent(handle, request, 1, now)
+        parts = [handle.identity, _RUN_PREFIX + pack_uint(request.rid), request.header_frame]
+        parts.extend(request.payload)
+        send_parts(self.host.backend, parts)
+        _mark_sent(handle, request, 1, now)
 
     def _send_batch(self, handle: WorkerHandle, members: list, now: float) -> None:
         """One message, every member's header and payload frames as they came: the supervisor
@@ -297,18 +320,11 @@ class Router:
             parts.extend(member.payload)
         send_parts(self.host.backend, parts)
         for member in members:
-            self._mark_sent(handle, member, len(members), now)
+            _mark_sent(handle, member, len(members), now)
 
-    @staticmethod
-    def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
-        request.worker = handle
-        request.batch_size = batch_size
-        request.dispatched_ns = time.perf_counter_ns()
-        handle.inflight[request.rid] = request
-        handle.last_dispatch = now
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
-        probe = ProbeRequest(next(self._rids), handle)
+        probe = ProbeRequest(self._new_rid(), handle)
         send_parts(self.host.backend, [handle.identity, probes.run_probe(probe.rid)])
         handle.inflight[probe.rid] = probe
         handle.probe.sent(probe.rid, now)
@@ -351,10 +367,13 @@ class Router:
         if envelope.get("ok"):
             total_us = (time.perf_counter_ns() - request.received_ns) // 1000
             handle.latencies_us.append(total_us)
-            timing = {"queue_us": (request.dispatched_ns - request.received_ns) // 1000,
-                      "compute_us": envelope.get("compute_us"), "total_us": total_us,
-                      "batch": envelope.get("batch", 1)}
-            header = protocol.add_to_map(_buffer(frames[0]), "timing", timing)
+            queue_us = (request.dispatched_ns - request.received_ns) // 1000
+            compute_us, batch = envelope.get("compute_us"), envelope.get("batch", 1)
+            header = add_timing(_buffer(frames[0]), queue_us, compute_us, total_us, batch)
+            timing = None
+            if self.observers:
+                timing = {"queue_us": queue_us, "compute_us": compute_us, "total_us": total_us,
+                          "batch": batch}
             self._answer(request, header, frames[1:], "ok", timing)
         else:
             handle.errors += 1
@@ -380,14 +399,18 @@ class Router:
         if request.done:
             return
         request.done = True
-        self.host.timers.cancel(request.timer)
+        self.deadlines.answered(request, request.timeout)
         self.pending.pop(request.rid, None)
-        self.request_bytes.give_back(request.connection, request.nbytes)
-        quotas = self.host.quotas
-        quotas.give_back(request.identity, "requests")
         if request.nbytes:
-            quotas.give_back(request.identity, "request_bytes", request.nbytes)
-        parts = [*request.route, SIGNATURE, header]
+            self.request_bytes.give_back(request.connection, request.nbytes)
+            self.host.quotas.give_back(request.identity, "request_bytes", request.nbytes)
+        self.host.quotas.give_back(request.identity, "requests")
+        # An answered request may wait in its deadline lane a while: it keeps no payload there.
+        request.payload = _NO_FRAMES
+        request.header_frame = None
+        parts = list(request.route)
+        parts.append(SIGNATURE)
+        parts.append(header)
         if frames:
             parts.extend(frames)
             dropped = self.replies.prepare(request.connection, parts, payload_bytes(frames))
@@ -399,8 +422,9 @@ class Router:
             send_parts(request.socket, parts)
         except zmq.ZMQError as exc:  # a closing socket at shutdown; a ROUTER drops the rest silently
             logger.warning("could not answer request rid=%s id=%r: %s", request.rid, request.client_id, exc)
-        for observe in self.observers:
-            observe(request, code, timing)
+        if self.observers:
+            for observe in self.observers:
+                observe(request, code, timing)
 
     def fail(self, request: Request, code: str, message: str) -> None:
         self.finish(request, protocol.error_header(request.client_id, code, message))
@@ -469,6 +493,13 @@ class Router:
         for queue in [service.queue for service in self.services.values()]:
             queue.clear()
 
+
+def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
+    request.worker = handle
+    request.batch_size = batch_size
+    request.dispatched_ns = time.perf_counter_ns()
+    handle.inflight[request.rid] = request
+    handle.last_dispatch = now
 
 
 def _error_code(frame) -> str:

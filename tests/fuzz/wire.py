@@ -23,6 +23,9 @@ the mutations; the compiled modules must never crash, and both must end the same
 summary of what was parsed, or the same error class and message. A difference is a finding too
 (the compiled source behaving unlike the source).
 
+Every header frame is also read by msgpack-python, the reference implementation of the format,
+under the same limits: shared/mpack.py must read the same value from it or refuse it too.
+
 The seeds are valid requests and replies of every kind plus the hostile inputs of the
 malformed-input tests: msgpack bombs (huge declared counts, deep nesting), overflowing shapes,
 counts that disagree, length prefixes past the end, invalid UTF-8, too many frames.
@@ -43,13 +46,14 @@ CRASHES = HERE / "crashes"
 WORK = HERE / "work"  # the growing corpus of `make fuzz` (git-ignored)
 MAX_BYTES = 1 << 20  # max_message_bytes for the fuzz run: big enough, never a real allocation
 
-from modelwarden.shared import descriptors, protocol  # noqa: E402  (as installed: compiled)
+from modelwarden.shared import descriptors, mpack, protocol  # noqa: E402  (as installed: compiled)
 from modelwarden.shared.errors import InternalError  # noqa: E402
 from modelwarden.supervisor.routing import limits  # noqa: E402
 
 ROOT = HERE.parent.parent
 # The uncompiled copy, in import order: each module's imports of the others are renamed.
-PURE_SOURCES = {"modelwarden.shared.protocol": "shared/protocol.py",
+PURE_SOURCES = {"modelwarden.shared.mpack": "shared/mpack.py",
+                "modelwarden.shared.protocol": "shared/protocol.py",
                 "modelwarden.shared.descriptors": "shared/descriptors.py",
                 "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py"}
 
@@ -70,7 +74,8 @@ def load_pure() -> types.SimpleNamespace:
     return types.SimpleNamespace(**loaded)
 
 
-COMPILED_PATH = types.SimpleNamespace(protocol=protocol, descriptors=descriptors, limits=limits)
+COMPILED_PATH = types.SimpleNamespace(mpack=mpack, protocol=protocol, descriptors=descriptors,
+                                      limits=limits)
 PURE = load_pure()
 
 
@@ -123,6 +128,31 @@ def outcome(reader, path: types.SimpleNamespace, frames: list[bytes]) -> tuple:
         return ("error", type(exc).__name__, str(exc))
 
 
+def against_msgpack(frame: bytes) -> None:
+    """Our msgpack reader (shared/mpack.py) against msgpack-python, the reference, under the
+    same limits: the same value, or both refuse. Ours refuses more in two ways only: nesting
+    past mpack.MAX_DEPTH, and an ext of length 0 (msgpack's max_ext_len=0 lets that one by)."""
+    try:
+        reference = ("ok", repr(msgpack.unpackb(frame, **REFERENCE_LIMITS)))
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        reference = ("refused", type(exc).__name__)
+    try:
+        ours = ("ok", repr(mpack.unpack(frame, False, *OUR_LIMITS)))
+    except mpack.Malformed as exc:
+        if exc.reason == "StackError" or (exc.reason.startswith("ext") and "ExtType" in reference[-1]):
+            return
+        ours = ("refused", exc.reason)
+    if reference[0] != ours[0] or (ours[0] == "ok" and ours != reference):
+        raise AssertionError(f"msgpack-python {reference!r} but mpack {ours!r}")
+
+
+# protocol.unpack_header's limits, in msgpack-python's words and in ours
+OUR_LIMITS = (protocol.MAX_HEADER_BYTES, protocol.MAX_ID_BYTES, 4 * protocol.MAX_TENSORS)
+REFERENCE_LIMITS = dict(max_str_len=OUR_LIMITS[0], max_bin_len=OUR_LIMITS[1],
+                        max_array_len=OUR_LIMITS[2], max_map_len=OUR_LIMITS[2], max_ext_len=0,
+                        raw=False, strict_map_key=True, use_list=True)
+
+
 def one_input(data: bytes) -> None:
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
@@ -130,6 +160,8 @@ def one_input(data: bytes) -> None:
         pure = outcome(reader, PURE, frames)
         if compiled != pure:
             raise AssertionError(f"{reader.__name__}: compiled {compiled!r} but uncompiled {pure!r}")
+    for frame in frames[1:2]:  # the header frame
+        against_msgpack(frame)
 
 
 # -- seeds -----------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+# C types for shared/mpack.py when Cython compiles it (pure-Python mode: the .py is the one
+# implementation; this file only says which names are C integers, which classes are extension
+# types and which functions are called the C way).
+
+cimport cython
+
+cdef Py_ssize_t _CACHED_BELOW, _CACHE_SLOTS
+cdef list _cached_raw, _cached_text
+
+
+cdef class _Reader:
+    cdef bytes data
+    cdef Py_ssize_t end, pos, max_str, max_bin, max_len
+    cdef bint strict
+    cdef int max_depth
+
+    @cython.locals(start=cython.Py_ssize_t)
+    cdef Py_ssize_t take(self, Py_ssize_t count) except -1
+
+    @cython.locals(start=cython.Py_ssize_t, index=cython.Py_ssize_t, value=cython.ulonglong, data=bytes)
+    cdef unsigned long long uint(self, int width) except? 0xFFFFFFFFFFFFFFFF
+
+    @cython.locals(start=cython.Py_ssize_t, code=cython.int, value=cython.longlong)
+    cdef object read(self, int depth)
+
+    @cython.locals(start=cython.Py_ssize_t, index=cython.Py_ssize_t, slot=cython.Py_ssize_t,
+                   data=bytes, raw=bytes, text=str)
+    cdef str text(self, Py_ssize_t size)
+
+    cdef str decode(self, Py_ssize_t start, Py_ssize_t size)
+
+    @cython.locals(start=cython.Py_ssize_t)
+    cdef bytes binary(self, Py_ssize_t size)
+
+    @cython.locals(items=list, _=cython.Py_ssize_t)
+    cdef list array(self, Py_ssize_t size, int depth)
+
+    @cython.locals(result=dict, _=cython.Py_ssize_t, entries=cython.Py_ssize_t)
+    cdef dict map(self, Py_ssize_t size, int depth)
+
+
+@cython.locals(reader=_Reader)
+cpdef object unpack(object data, bint strict, Py_ssize_t max_str, Py_ssize_t max_bin,
+                    Py_ssize_t max_len)
+
+@cython.locals(out=bytearray)
+cpdef bytes pack(object value)
+
+cdef list _FIXINTS
+cdef object _PACK_U8, _PACK_U16, _PACK_U32, _PACK_U64
+cpdef bytes pack_uint(object value)
+
+cdef int _write(bytearray out, object value, int depth) except -1
+cdef int _write_int(bytearray out, object value) except -1
+
+@cython.locals(shift=cython.int)
+cdef int _write_be(bytearray out, unsigned long long value, int width) except -1
+
+@cython.locals(data=bytes, size=cython.Py_ssize_t)
+cdef int _write_text(bytearray out, str value) except -1
+
+@cython.locals(data=bytes, size=cython.Py_ssize_t)
+cdef int _write_binary(bytearray out, object value) except -1
+
+cdef int _write_size(bytearray out, Py_ssize_t size, int fix, int code16) except -1

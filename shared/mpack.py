@@ -1,0 +1,389 @@
+# cython: wraparound=False
+"""msgpack, read and written by the request path itself: every header a client, a worker or the
+daemon sends goes through here, compiled (shared/mpack.pxd gives the names C types).
+
+Why not msgpack-python, which the rest of the tree still uses for what is not per request: its
+``unpackb`` parses a dozen keyword arguments and builds an unpacker context on every call, and
+the strictness we need (no repeated keys, str keys only) costs a Python call per map through
+``object_pairs_hook``. On this machine that was ~13,000 instructions per header; the supervisor
+reads two per request. Here the limits and the strictness are part of the one pass over the
+bytes. What it accepts and what it writes are msgpack-python's, byte for byte and value for value:
+tests/test_unit_mpack.py and the fuzzer (tests/fuzz/wire.py) hold it to that.
+
+``unpack`` refuses, with ``Malformed(reason)``: truncated input, bytes after the object, the
+reserved byte 0xc1, any ext type (timestamps included), a str or bin or container past its limit,
+invalid UTF-8, nesting deeper than MAX_DEPTH, and map keys that are neither str nor bytes. With
+``strict`` it also refuses, with ``NotAcceptable``, a bytes key and a key repeated in one map. The reason names the kind of
+fault as msgpack-python's exception does ("ExtraData", "FormatError", "StackError"...), so the
+errors a client sees did not change when this replaced it.
+
+``pack`` writes None, bool, int (within int64/uint64), float (always float64), str, bytes-like,
+list, tuple and dict, each as msgpack-python's ``packb(use_bin_type=True)`` does; anything else
+is a TypeError, an int out of range an OverflowError, as there.
+"""
+
+from __future__ import annotations
+
+import struct
+
+# Nesting: a header's tensor tree may be MAX_TREE_DEPTH (16) deep, each level two msgpack levels
+# ({"tuple": [...]}); past 64 it is refused here, well within Python's recursion limit, so the
+# uncompiled path refuses exactly what the compiled one does (msgpack-python's limit is 1024).
+MAX_DEPTH = 64
+# Short strings -- every map key, dtypes, model names, "infer" -- come again in every header:
+# a str made once and found again by its bytes skips the UTF-8 decode and, in the dict it goes
+# into, the hashing of a new str. Bounded (a peer sending many different strings only evicts).
+_CACHED_BELOW = 17
+_CACHE_SLOTS = 512
+_cached_raw: list = [b""] * _CACHE_SLOTS
+_cached_text: list = [""] * _CACHE_SLOTS
+_F32 = struct.Struct(">f")
+_F64 = struct.Struct(">d")
+_U64 = struct.Struct(">Q")
+_I64 = struct.Struct(">q")
+_PACK_U8 = struct.Struct(">BB").pack
+_PACK_U16 = struct.Struct(">BH").pack
+_PACK_U32 = struct.Struct(">BI").pack
+_PACK_U64 = struct.Struct(">BQ").pack
+
+
+class Malformed(ValueError):
+    """Bytes that are not one msgpack object within the limits. ``reason`` says why in a few
+    words; it never quotes the input."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class NotAcceptable(Malformed):
+    """Valid msgpack that ``strict`` refuses: a bytes map key, or a key repeated in one map
+    (msgpack-python would keep the last, so a validator and a consumer could read two values)."""
+
+
+def unpack(data, strict, max_str, max_bin, max_len):
+    """The one object in ``data`` (bytes, or any buffer: copied once if it is not bytes).
+    ``max_str``/``max_bin``: bytes of one str/bin; ``max_len``: entries of one array or map."""
+    if type(data) is not bytes:
+        data = bytes(data)
+    reader = _Reader(data, strict, max_str, max_bin, max_len)
+    value = reader.read(0)
+    if reader.pos != len(data):
+        raise Malformed("ExtraData")
+    return value
+
+
+class _Reader:
+    """One pass over one message; ``pos`` is the next byte to read."""
+
+    def __init__(self, data, strict, max_str, max_bin, max_len):
+        self.data = data
+        self.end = len(data)
+        self.pos = 0
+        self.strict = strict
+        self.max_str = max_str
+        self.max_bin = max_bin
+        self.max_len = max_len
+        self.max_depth = MAX_DEPTH
+
+    def take(self, count):
+        """The position of the next ``count`` bytes, which must all be there."""
+        start = self.pos
+        if count > self.end - start:
+            raise Malformed("incomplete input")
+        self.pos = start + count
+        return start
+
+    def uint(self, width):
+        """A big-endian unsigned int of 1, 2 or 4 bytes (8 go through struct: they are rare)."""
+        start = self.take(width)
+        data = self.data
+        value = 0
+        for index in range(start, start + width):
+            value = (value << 8) | data[index]
+        return value
+
+    def read(self, depth):
+        if depth > self.max_depth:
+            raise Malformed("StackError")
+        start = self.take(1)
+        code = self.data[start]
+        if code <= 0x7F:
+            return code
+        if code >= 0xE0:
+            return code - 0x100
+        if 0xA0 <= code <= 0xBF:
+            return self.text(code & 0x1F)
+        if 0x90 <= code <= 0x9F:
+            return self.array(code & 0x0F, depth)
+        if 0x80 <= code <= 0x8F:
+            return self.map(code & 0x0F, depth)
+        if code == 0xC0:
+            return None
+        if code == 0xC2:
+            return False
+        if code == 0xC3:
+            return True
+        if code == 0xCC:
+            return self.uint(1)
+        if code == 0xCD:
+            return self.uint(2)
+        if code == 0xCE:
+            return self.uint(4)
+        if code == 0xCF:
+            return _U64.unpack_from(self.data, self.take(8))[0]
+        if code == 0xD0:
+            value = self.uint(1)
+            return value - 0x100 if value >= 0x80 else value
+        if code == 0xD1:
+            value = self.uint(2)
+            return value - 0x10000 if value >= 0x8000 else value
+        if code == 0xD2:
+            value = self.uint(4)
+            return value - 0x100000000 if value >= 0x80000000 else value
+        if code == 0xD3:
+            return _I64.unpack_from(self.data, self.take(8))[0]
+        if code == 0xCA:
+            return _F32.unpack_from(self.data, self.take(4))[0]
+        if code == 0xCB:
+            return _F64.unpack_from(self.data, self.take(8))[0]
+        if code == 0xD9:
+            return self.text(self.uint(1))
+        if code == 0xDA:
+            return self.text(self.uint(2))
+        if code == 0xDB:
+            return self.text(self.uint(4))
+        if code == 0xC4:
+            return self.binary(self.uint(1))
+        if code == 0xC5:
+            return self.binary(self.uint(2))
+        if code == 0xC6:
+            return self.binary(self.uint(4))
+        if code == 0xDC:
+            return self.array(self.uint(2), depth)
+        if code == 0xDD:
+            return self.array(self.uint(4), depth)
+        if code == 0xDE:
+            return self.map(self.uint(2), depth)
+        if code == 0xDF:
+            return self.map(self.uint(4), depth)
+        if code == 0xC1:
+            raise Malformed("FormatError")
+        raise Malformed("ext types are not accepted")  # 0xc7-0xc9, 0xd4-0xd8
+
+    def text(self, size):
+        if size > self.max_str:
+            raise Malformed(f"a str of {size} bytes exceeds {self.max_str}")
+        start = self.take(size)
+        if size >= _CACHED_BELOW:
+            return self.decode(start, size)
+        data = self.data
+        slot = size
+        for index in range(start, start + size):
+            slot = (slot * 31 + data[index]) & (_CACHE_SLOTS - 1)
+        raw = _cached_raw[slot]
+        if len(raw) == size:
+            index = 0
+            while index < size and raw[index] == data[start + index]:
+                index += 1
+            if index == size:
+                return _cached_text[slot]
+        text = self.decode(start, size)
+        _cached_raw[slot] = data[start:start + size]
+        _cached_text[slot] = text
+        return text
+
+    def decode(self, start, size):
+        try:
+            return self.data[start:start + size].decode("utf-8")
+        except UnicodeDecodeError:
+            raise Malformed("UnicodeDecodeError") from None
+
+    def binary(self, size):
+        if size > self.max_bin:
+            raise Malformed(f"a bin of {size} bytes exceeds {self.max_bin}")
+        start = self.take(size)
+        return self.data[start:start + size]
+
+    def array(self, size, depth):
+        if size > self.max_len:
+            raise Malformed(f"an array of {size} entries exceeds {self.max_len}")
+        items = []
+        for _ in range(size):
+            items.append(self.read(depth + 1))
+        return items
+
+    def map(self, size, depth):
+        if size > self.max_len:
+            raise Malformed(f"a map of {size} entries exceeds {self.max_len}")
+        result = {}
+        entries = 0
+        for _ in range(size):
+            key = self.read(depth + 1)
+            kind = type(key)
+            if kind is not str:
+                if kind is not bytes:
+                    raise Malformed("a map key that is not a str")
+                if self.strict:
+                    # A bytes key could stand beside its str twin ("type" and b"type") and show
+                    # a validator one value and a consumer the other.
+                    raise NotAcceptable("map keys must be strings")
+            result[key] = self.read(depth + 1)
+            if len(result) == entries and self.strict:  # the key was there: no new entry
+                raise NotAcceptable("a map repeats a key")
+            entries += 1
+        return result
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def pack(value):
+    """``value`` as msgpack-python's ``packb(value, use_bin_type=True)`` writes it."""
+    out = bytearray()
+    _write(out, value, 0)
+    return bytes(out)
+
+
+def pack_uint(value):
+    """A non-negative int below 2**64 (a request's rid, a time in microseconds): the hot path's
+    shortcut, no buffer made. An int out of that range is an OverflowError."""
+    if value < 0:
+        raise OverflowError("Integer value out of range")
+    if value <= 0x7F:
+        return _FIXINTS[value]
+    if value <= 0xFF:
+        return _PACK_U8(0xCC, value)
+    if value <= 0xFFFF:
+        return _PACK_U16(0xCD, value)
+    if value <= 0xFFFFFFFF:
+        return _PACK_U32(0xCE, value)
+    return _PACK_U64(0xCF, value)
+
+
+_FIXINTS = [bytes((value,)) for value in range(0x80)]
+
+
+def _write(out, value, depth):
+    if depth > MAX_DEPTH:
+        raise ValueError("recursion limit exceeded")
+    if value is None:
+        out.append(0xC0)
+    elif value is True:
+        out.append(0xC3)
+    elif value is False:
+        out.append(0xC2)
+    elif isinstance(value, int):
+        _write_int(out, value)
+    elif isinstance(value, str):
+        _write_text(out, value if type(value) is str else value[:])  # a subclass (an enum) as str
+    elif isinstance(value, float):
+        out.append(0xCB)
+        out += _F64.pack(value)
+    elif isinstance(value, dict):
+        _write_size(out, len(value), 0x80, 0xDE)
+        for key, item in value.items():
+            _write(out, key, depth + 1)
+            _write(out, item, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        _write_size(out, len(value), 0x90, 0xDC)
+        for item in value:
+            _write(out, item, depth + 1)
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        _write_binary(out, value)
+    else:
+        raise TypeError(f"can not serialize {type(value).__name__!r} object")
+
+
+def _write_int(out, value):
+    if 0 <= value <= 0x7F:
+        out.append(value)
+    elif value > 0:
+        if value <= 0xFF:
+            out.append(0xCC)
+            out.append(value)
+        elif value <= 0xFFFF:
+            out.append(0xCD)
+            _write_be(out, value, 2)
+        elif value <= 0xFFFFFFFF:
+            out.append(0xCE)
+            _write_be(out, value, 4)
+        elif value <= 0xFFFFFFFFFFFFFFFF:
+            out.append(0xCF)
+            out += _U64.pack(value)
+        else:
+            raise OverflowError("Integer value out of range")
+    elif value >= -0x20:
+        out.append(value + 0x100)
+    elif value >= -0x80:
+        out.append(0xD0)
+        out.append(value + 0x100)
+    elif value >= -0x8000:
+        out.append(0xD1)
+        _write_be(out, value + 0x10000, 2)
+    elif value >= -0x80000000:
+        out.append(0xD2)
+        _write_be(out, value + 0x100000000, 4)
+    elif value >= -0x8000000000000000:
+        out.append(0xD3)
+        out += _I64.pack(value)
+    else:
+        raise OverflowError("Integer value out of range")
+
+
+def _write_be(out, value, width):
+    """``value`` (non-negative, below 256**width) as ``width`` big-endian bytes."""
+    shift = 8 * (width - 1)
+    while shift >= 0:
+        out.append((value >> shift) & 0xFF)
+        shift -= 8
+
+
+def _write_text(out, value):
+    data = value.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError, as msgpack's
+    size = len(data)
+    if size < 32:
+        out.append(0xA0 | size)
+    elif size <= 0xFF:
+        out.append(0xD9)
+        out.append(size)
+    elif size <= 0xFFFF:
+        out.append(0xDA)
+        _write_be(out, size, 2)
+    elif size <= 0xFFFFFFFF:
+        out.append(0xDB)
+        _write_be(out, size, 4)
+    else:
+        raise ValueError("String is too large")
+    out += data
+
+
+def _write_binary(out, value):
+    data = value if type(value) is bytes else bytes(value)
+    size = len(data)
+    if size <= 0xFF:
+        out.append(0xC4)
+        out.append(size)
+    elif size <= 0xFFFF:
+        out.append(0xC5)
+        _write_be(out, size, 2)
+    elif size <= 0xFFFFFFFF:
+        out.append(0xC6)
+        _write_be(out, size, 4)
+    else:
+        raise ValueError("Bytes object is too large")
+    out += data
+
+
+def _write_size(out, size, fix, code16):
+    """The header of an array (fix 0x90, 0xdc/0xdd) or a map (fix 0x80, 0xde/0xdf)."""
+    if size < 16:
+        out.append(fix | size)
+    elif size <= 0xFFFF:
+        out.append(code16)
+        _write_be(out, size, 2)
+    elif size <= 0xFFFFFFFF:
+        out.append(code16 + 1)
+        _write_be(out, size, 4)
+    else:
+        raise ValueError("too large to pack")

@@ -1,0 +1,47 @@
+# C types for shared/protocol.py when Cython compiles it (pure-Python mode: the .py is the one
+# implementation; this file says which classes are extension types and which functions the
+# request path calls the C way, from this module and from those that cimport it).
+
+cimport cython
+
+from modelwarden.shared.mpack cimport pack as pack_value, pack_uint, unpack as read_msgpack
+
+cdef list _FIXMAPS
+cdef bytes _TIMING_KEY, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY
+cdef Py_ssize_t _MAX_STR, _MAX_BIN, _MAX_ENTRIES
+
+
+cdef class Envelope:
+    cdef public object route, header, payload
+
+
+cdef class InferRequest:
+    cdef public object id, model, tree, tensors, timeout_ms, out
+    cpdef set buffers(self)
+
+
+cpdef object unpack_header(object buf, bint strict=*)
+@cython.locals(route=list, body=list)
+cpdef Envelope split_router_message(object frames)
+cpdef list reply_route(object frames)
+cpdef bint _is_int(object value)
+cpdef object request_id_of(object header)
+cpdef object require_id(object header)
+cpdef object require_str(object header, object key, Py_ssize_t max_bytes=*)
+cpdef object require_uint(object value, object what, object limit=*)
+cpdef object _desc(object dtype, object shape, object nbytes, object frame, object shm, object longest)
+cpdef object tensor_nbytes(object dtype, object shape)
+cpdef tuple parse_shape(object value, object what)
+cpdef tuple parse_region(object value, object what)
+cpdef object parse_tensor_desc(object value, Py_ssize_t index, Py_ssize_t next_frame)
+@cython.locals(descs=list, next_frame=cython.Py_ssize_t, index=cython.Py_ssize_t)
+cpdef list parse_tensors(object value)
+@cython.locals(seen=set)
+cpdef check_tree(object tree, Py_ssize_t n_tensors, object what=*)
+cdef _walk_tree(object node, Py_ssize_t n_tensors, set seen, int depth)
+@cython.locals(inline=cython.Py_ssize_t, tensors=list)
+cpdef InferRequest parse_infer(object header, Py_ssize_t n_frames)
+cpdef frame_lengths_match(object tensors, object payload)
+@cython.locals(first=cython.int)
+cpdef bytes add_timing(object packed, object queue_us, object compute_us, object total_us, object batch)
+cpdef bytes _pack_count(object value)

@@ -1,0 +1,23 @@
+# C types for supervisor/routing/limits.py when Cython compiles it (pure-Python mode).
+
+cimport cython
+
+cdef class RequestBytes:
+    cdef public Py_ssize_t per_connection, total_cap, total
+    cdef public dict by_connection
+
+    @cython.locals(held=cython.Py_ssize_t)
+    cpdef take(self, object connection, Py_ssize_t nbytes)
+    @cython.locals(held=cython.Py_ssize_t)
+    cpdef give_back(self, object connection, Py_ssize_t nbytes)
+
+
+cdef class ReplyLedger:
+    cdef public Py_ssize_t per_connection, total_cap, total
+    cdef public dict backlogs
+
+    cpdef prepare(self, object connection, list parts, Py_ssize_t nbytes)
+
+
+@cython.locals(total=cython.Py_ssize_t)
+cpdef Py_ssize_t payload_bytes(object frames) except -1

@@ -1,0 +1,15 @@
+# C types for supervisor/routing/requests.py when Cython compiles it (pure-Python mode: the .py
+# is the one implementation; this file only gives its names C types).
+
+cdef class Request:
+    cdef public object rid, socket, route, client_id, model, header_frame, payload
+    cdef public object connection, buffers, identity, timer, worker, batch_key
+    cdef public long long received_ns, dispatched_ns
+    cdef public double deadline, arrived, timeout
+    cdef public Py_ssize_t nbytes, rows
+    cdef public int deaths, batch_size
+    cdef public bint done, alone, queued_under_load
+
+
+cdef class ProbeRequest:
+    cdef public object rid, worker

@@ -1,0 +1,50 @@
+# C types for supervisor/routing/router.py when Cython compiles it (pure-Python mode: the .py
+# is the one implementation; this file only says which of its names are C fields and which of
+# its methods are called the C way).
+
+cimport cython
+
+from modelwarden.shared.mpack cimport pack_uint
+from modelwarden.shared.protocol cimport (add_timing, frame_lengths_match, parse_infer,
+                                          request_id_of)
+from modelwarden.shared.sockets cimport send_parts
+from modelwarden.supervisor.routing.deadlines cimport Deadlines
+from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes
+from modelwarden.supervisor.routing.requests cimport Request
+from modelwarden.supervisor.routing.service cimport ModelService
+
+
+cdef class Router:
+    cdef public object host, services
+    cdef public dict pending
+    cdef public list observers
+    cdef public Deadlines deadlines
+    cdef public RequestBytes request_bytes
+    cdef public ReplyLedger replies
+    cdef long long _next_rid
+
+    cdef object _new_rid(self)
+    @cython.locals(request=Request, service=ModelService, queue=object, timeout=cython.double,
+                   nbytes=cython.Py_ssize_t)
+    cpdef accept_infer(self, object socket, object connection, object envelope, dict header,
+                       object identity=*)
+    cpdef _take_budgets(self, object connection, object identity, Py_ssize_t nbytes)
+    cpdef dispatch_wanted(self)
+    @cython.locals(service=ModelService, members=list, now=cython.double)
+    cpdef dispatch(self, object pool)
+    cpdef bint _pass_buffers(self, object handle, Request request) except -1
+    @cython.locals(parts=list)
+    cpdef _send(self, object handle, Request request, double now)
+    @cython.locals(parts=list, member=Request)
+    cpdef _send_batch(self, object handle, list members, double now)
+    cpdef on_result(self, object pool, object handle, dict envelope, list frames)
+    @cython.locals(total_us=cython.longlong, queue_us=cython.longlong)
+    cpdef _relay_result(self, object handle, Request request, dict envelope, list frames)
+    cpdef finish(self, Request request, dict reply)
+    @cython.locals(parts=list)
+    cpdef _answer(self, Request request, object header, list frames=*, str code=*, dict timing=*)
+    cpdef fail(self, Request request, str code, str message)
+    cpdef expire(self, Request request)
+
+
+cdef _mark_sent(object handle, Request request, int batch_size, double now)

@@ -1,0 +1,9 @@
+# C types for supervisor/routing/service.py when Cython compiles it (pure-Python mode).
+
+cdef class ModelService:
+    cdef public object name, queue, batches, hold, wanted, config, inputs, batching
+    cdef public Py_ssize_t max_queue, max_inflight, max_delay_us
+    cdef public double timeout
+    cdef public bint batch_enabled, handler
+
+    cpdef follow(self, object config)
