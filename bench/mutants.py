@@ -168,7 +168,7 @@ MUTATIONS = [
       "    if False:\n        return POISON",
       ("tests/test_chaos.py::test_poison_input_is_answered_poison_and_the_pool_recovers",)),
     M("queue-while-restarting", "supervisor/routing/router.py",
-      "            if pool.all_fatal():", "            if pool.ready_count() == 0:",
+      "            if serves_nothing(pool.slots):", "            if pool.ready_count() == 0:",
       ("tests/test_reliability.py::test_requests_wait_for_a_worker_while_every_worker_restarts",)),
     # -- dynamic batching ------------------------------------------------------------------------
     M("batch-mates-retried-alone", "supervisor/routing/router.py",
@@ -242,7 +242,7 @@ MUTATIONS = [
       'raise ProtocolError(UNKNOWN_MODEL, f"no model named', 'raise ProtocolError(NO_WORKER, f"no model named',
       ("tests/test_serving.py::test_client_errors_are_typed",)),
     M("no-worker", "supervisor/routing/router.py",
-      "            if pool.all_fatal():\n", "            if False:\n",
+      "            if serves_nothing(pool.slots):\n", "            if False:\n",
       ("tests/test_load_failure.py",)),
     M("model-error", "worker/serve.py",
       "        return MODEL_ERROR, f\"{type(exc).__name__}: {exc}\"",

@@ -20,6 +20,9 @@ COMPILED: dict[str, str] = {
     "modelwarden.supervisor.routing.batching": "supervisor/routing/batching.py",
     "modelwarden.supervisor.routing.requests": "supervisor/routing/requests.py",
     "modelwarden.supervisor.routing.deadlines": "supervisor/routing/deadlines.py",
+    "modelwarden.supervisor.routing.workers": "supervisor/routing/workers.py",
+    "modelwarden.supervisor.routing.intake": "supervisor/routing/intake.py",
+    "modelwarden.supervisor.routing.identity": "supervisor/routing/identity.py",
     "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
     "modelwarden.supervisor.routing.quotas": "supervisor/routing/quotas.py",
     # the codec of the client and the worker

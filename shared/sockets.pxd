@@ -68,7 +68,11 @@ cdef class Part:
     cdef Py_ssize_t size
 
 
+cdef int _SNDMORE, _NOBLOCK, _EAGAIN, _EINTR
+cdef Py_ssize_t _COPY_BELOW
+
 cpdef send_parts(object socket, list parts)
+cdef object _handle(object socket)
 cdef object _recv_c(object socket, int flags, object prop)
 cdef bint _send_c(object socket, list parts, int first_flags) except -1
 cdef int _sent_now(mw_msg_t *msg, void *handle, int flags) except -1

@@ -34,7 +34,9 @@ COMPILED = not __file__.endswith(".py")
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 COPY_BELOW = 65536  # a part this small is copied into bytes: cheaper than keeping libzmq's
-_EAGAIN, _EINTR = _errno.EAGAIN, _errno.EINTR
+_COPY_BELOW = COPY_BELOW
+_EAGAIN = _errno.EAGAIN
+_EINTR = _errno.EINTR
 
 
 def send_parts(socket, parts):
@@ -138,7 +140,9 @@ class Part:
 
 
 def _handle(socket):
-    if socket.closed:
+    # pyzmq's own send and recv check ``_closed`` (set by close() and Context.destroy()); its
+    # ``closed`` property asks libzmq again (a getsockopt) on every call.
+    if socket._closed:
         raise zmq.ZMQError(_errno.ENOTSOCK)
     return socket.underlying
 
@@ -177,7 +181,7 @@ def _recv_c(socket, flags, prop):
             value = found.decode(errors="replace") if found != cython.NULL else ""
         more = zmq_msg_more(cython.address(msg))
         size = zmq_msg_size(cython.address(msg))
-        if size < COPY_BELOW:
+        if size < _COPY_BELOW:
             parts.append(PyBytes_FromStringAndSize(
                 cython.cast(cython.p_char, zmq_msg_data(cython.address(msg))), size))
             zmq_msg_close(cython.address(msg))
@@ -209,7 +213,7 @@ def _send_c(socket, parts, first_flags):
     for part in parts:
         flag = (_SNDMORE if index < last else 0) | (first_flags if index == 0 else 0)
         sent = 0
-        if type(part) is bytes and PyBytes_GET_SIZE(part) < COPY_BELOW:
+        if type(part) is bytes and PyBytes_GET_SIZE(part) < _COPY_BELOW:
             size = PyBytes_GET_SIZE(part)
             if zmq_msg_init_size(cython.address(msg), size) < 0:
                 raise MemoryError()

@@ -1,9 +1,9 @@
 """The supervisor's loop: one ``poll()`` per pass, its timeout the nearest deadline.
 
-Each pass takes up to DRAIN_MAX messages from each readable socket (zmq_poll is level-triggered,
-so the next pass sees whatever is left), which keeps every socket served in turn; client and
-worker messages arrive through shared/sockets.py, small frames as bytes. Everything that happens is
-an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
+Each pass drains what each readable socket holds, up to a bound per socket (zmq_poll is
+level-triggered, so the next pass sees whatever is left), which keeps every socket served in
+turn; client and worker messages are drained by supervisor/routing/intake.py, compiled.
+Everything that happens is an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
 message (raw Unix sockets, ``supervisor/routing/bufferserver.py``), a worker
 message (backend ROUTER, admitted by supervisor/fleet/workerauth.py), a control command (control ROUTER:
 read-only; admin ROUTER: all), a signal (the wakeup socket that
@@ -37,7 +37,7 @@ import zmq
 
 from modelwarden import compiled
 from modelwarden.shared import __version__, protocol
-from modelwarden.shared.sockets import recv_message, recv_parts, recv_routed, send_parts
+from modelwarden.shared.sockets import recv_parts, send_parts
 from modelwarden.shared.config import ConfigError, ModelConfig, Settings, WorkerSpec, load_settings
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
                                          ProtocolError)
@@ -48,7 +48,6 @@ from modelwarden.supervisor.routing.bufferserver import MAX_CONNECTIONS as MAX_C
 from modelwarden.supervisor.commands import ADMIN_ONLY, COMMANDS
 from modelwarden.supervisor.status import status_snapshot
 from modelwarden.supervisor.routing.connections import BACKLOG, ConnectionGuard, raise_fd_limit
-from modelwarden.supervisor.routing.limits import check_message
 from modelwarden.supervisor.fleet.handle import WorkerHandle
 from modelwarden.supervisor.fleet.health import daemon_health
 from modelwarden.supervisor.fleet.placement import SlotPlacement, available_cores, plan
@@ -58,6 +57,7 @@ from modelwarden.supervisor.fleet.fleet import Fleet
 from modelwarden.supervisor.routing import identity
 from modelwarden.supervisor.routing.quotas import Quotas, max_buffer_bytes, shares_from
 from modelwarden.supervisor.fleet import reload
+from modelwarden.supervisor.routing.intake import Intake
 from modelwarden.supervisor.routing.router import Router
 from modelwarden.supervisor.fleet.standby import placement_for
 from modelwarden.shared.process import DaemonError, check_socket_path, restrict_socket
@@ -71,7 +71,6 @@ from modelwarden.worker import main as worker_main
 logger = logging.getLogger(__name__)
 
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
-DRAIN_MAX = 64  # messages read from one socket per poll round
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # no meaning yet: logged, never fatal
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
@@ -86,6 +85,7 @@ class Arbiter:
         self.quotas = Quotas(shares_from(settings, MAX_CHANNEL_CONNECTIONS, MAX_BUFFERS),
                              house=identity.uid_identity(os.geteuid()))
         self.router = Router(self)
+        self.intake = Intake(self)
         self.registry = BufferRegistry(max_bytes=max_buffer_bytes(settings), quotas=self.quotas)
         self.buffer_server: BufferServer | None = None
         self.notifier = Notifier()
@@ -102,6 +102,7 @@ class Arbiter:
         self._stop_deadline: float | None = None
         self._workers_told_to_stop = False
         self._by_identity: dict[bytes, WorkerHandle] = {}
+        self.workers = self._by_identity  # by backend routing id: what the intake reads
         self.gate = BackendGate(self.clock)
         self._by_sentinel: dict[int, WorkerHandle] = {}
         self._handlers: dict = {}
@@ -111,7 +112,7 @@ class Arbiter:
         self.poller = zmq.Poller()
         self.frontends: list[zmq.Socket] = []
         self._frontend_is_ipc: list[bool] = []
-        self._frontend_transport: list[str] = []  # how each frontend's peers are known (identity)
+        self.frontend_transports: list[str] = []  # how each frontend's peers are known (identity)
         self.backend: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
         self.connections: ConnectionGuard | None = None
@@ -122,6 +123,9 @@ class Arbiter:
         self.telemetry = None  # supervisor/metrics.py, when [daemon] metrics is set
         self.metrics_server = None
         self.gateway = None  # supervisor/gatewaykeeper.py's GatewayKeeper, when [gateway] is set
+
+    def pool_of(self, handle: WorkerHandle) -> ModelPool | None:
+        return self.fleet.pool_of(handle)
 
     @property
     def pools(self) -> dict[str, ModelPool]:
@@ -250,9 +254,9 @@ class Arbiter:
                 sock = self._router_socket(endpoint, client_facing=True)
                 self.frontends.append(sock)
                 self._frontend_is_ipc.append(endpoint.startswith("ipc://"))
-                self._frontend_transport.append(
+                self.frontend_transports.append(
                     identity.transport_of(endpoint, self.server_keys is not None))
-                self._on(sock, functools.partial(self._on_frontend, index))
+                self._on(sock, functools.partial(self.intake.drain_clients, index))
                 self._watch_connections(sock, endpoint, pausable=True)
             self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
             self._on(self.control, self._on_control)
@@ -271,7 +275,7 @@ class Arbiter:
             self._watch_connections(self.admin, self.settings.admin_endpoint, pausable=False)
             self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False,
                                                private=True)
-            self._on(self.backend, self._on_backend)
+            self._on(self.backend, self.intake.drain_workers)
         finally:
             os.umask(old_umask)
         auth.warn_plaintext(self.settings)
@@ -387,54 +391,6 @@ class Arbiter:
             elif signum in IGNORED_SIGNALS:
                 logger.info("%s ignored: it has no meaning to modelwarden", signal.Signals(signum).name)
 
-    def _on_frontend(self, index: int) -> None:
-        sock = self.frontends[index]
-        transport = self._frontend_transport[index]
-        prop = identity.property_of(transport)
-        for _ in range(DRAIN_MAX):
-            received = recv_routed(sock, prop)
-            if received is None:
-                return
-            frames, raw = received
-            try:
-                self._frontend_message(index, sock, frames, identity.of_property(raw, transport))
-            except Exception:
-                logger.exception("error handling a client message")
-                self.router.send_error(sock, protocol.reply_route(frames), None, INTERNAL,
-                                       "internal error; see the daemon's log")
-
-    def _frontend_message(self, index: int, sock: zmq.Socket, frames: list, peer: str) -> None:
-        """``frames`` as shared/sockets.py receives them (small ones bytes); ``peer`` the
-        identity whose shares the message counts against."""
-        try:
-            check_message(frames, self.settings.daemon.max_message_bytes)
-        except ProtocolError as exc:
-            route = protocol.reply_route(frames)
-            frames.clear()  # release the payload now, not after the reply is queued
-            self.router.send_error(sock, route, None, exc.code, exc.message)
-            return
-        try:
-            envelope = protocol.split_router_message(frames)
-            header = protocol.unpack_header(envelope.header)
-        except ProtocolError as exc:
-            self.router.send_error(sock, protocol.reply_route(frames), None, exc.code, exc.message)
-            return
-        kind = header.get("type")
-        if kind == protocol.INFER:
-            self.router.accept_infer(sock, (index, bytes(frames[0])), envelope, header, peer)
-            return
-        request_id = protocol.request_id_of(header)
-        try:
-            if kind == protocol.CLIENT_HELLO:
-                reply = self._hello(index)
-            else:
-                raise ProtocolError(BAD_REQUEST, f"unknown request type {str(kind)[:32]!r}")
-        except ProtocolError as exc:
-            self.router.send_error(sock, envelope.route, request_id, exc.code, exc.message)
-            return
-        reply.update(id=request_id, ok=True)
-        send_parts(sock, [*envelope.route, SIGNATURE, protocol.pack(reply)])
-
     def shm_offered(self, index: int) -> bool:
         return self.buffer_server is not None and self._frontend_is_ipc[index]
 
@@ -453,7 +409,8 @@ class Arbiter:
         guard = self.connections
         self.quotas.shares = shares_from(settings, guard.high_water, min(self.registry.total, guard.room))
 
-    def _hello(self, index: int) -> dict:
+    def hello(self, index: int) -> dict:
+        """What a client's ``hello`` is answered (supervisor/routing/intake.py asks)."""
         daemon = self.settings.daemon
         return {"protocol": protocol.PROTOCOL_VERSION, "version": __version__,
                 "models": [{"name": pool.name, "workers": len(pool.slots),
@@ -506,14 +463,9 @@ class Arbiter:
             reply = protocol.error_header(request_id, INTERNAL, "internal error; see the daemon's log")
         send_parts(sock, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
-    def _on_backend(self) -> None:
-        for _ in range(DRAIN_MAX):
-            frames = recv_message(self.backend, zmq.NOBLOCK)
-            if frames is None:
-                return
-            self._guarded(functools.partial(self._worker_message, frames))
-
-    def _worker_message(self, frames: list) -> None:
+    def worker_message(self, frames: list) -> None:
+        """A worker message off the request path (supervisor/routing/intake.py hands over every
+        one but an authenticated worker's result): the backend gate, then what it says."""
         identity = bytes(frames[0])
         handle = self._by_identity.get(identity)
         header = None

@@ -197,7 +197,7 @@ def test_forged_workers_are_refused_logged_and_never_served():
 
 def _arbiter_with_one_handle(tmp_path: Path) -> tuple[Arbiter, WorkerHandle]:
     """An Arbiter that has not started (no sockets bound) and a handle registered as if it had
-    spawned it: enough to feed backend messages to ``_worker_message``."""
+    spawned it: enough to feed backend messages to ``worker_message``."""
     config = tmp_path / "modelwarden.toml"
     config.write_text(render_config({"runtime_dir": str(tmp_path / "run")},
                                     [mlp_model(workers=1)]))
@@ -220,20 +220,20 @@ def test_messages_count_only_after_the_right_secret_once(tmp_path):
     arbiter, handle = _arbiter_with_one_handle(tmp_path)
     try:
         identity, loading = handle.identity, {"type": "state", "state": "LOADING", "info": {}}
-        arbiter._worker_message(_message(identity, loading))
+        arbiter.worker_message(_message(identity, loading))
         assert handle.state == WorkerState.STARTING  # no hello yet
-        arbiter._worker_message(_message(identity, {"type": "hello", "secret": b"x" * 32}))
-        arbiter._worker_message(_message(identity, {"type": "hello", "secret": "not bytes"}))
-        arbiter._worker_message(_message(identity, loading))
+        arbiter.worker_message(_message(identity, {"type": "hello", "secret": b"x" * 32}))
+        arbiter.worker_message(_message(identity, {"type": "hello", "secret": "not bytes"}))
+        arbiter.worker_message(_message(identity, loading))
         assert handle.state == WorkerState.STARTING and not handle.authenticated
-        arbiter._worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
+        arbiter.worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
         assert handle.authenticated
-        arbiter._worker_message(_message(identity, loading))
+        arbiter.worker_message(_message(identity, loading))
         assert handle.state == WorkerState.LOADING
         refused = arbiter.gate.refused
-        arbiter._worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
+        arbiter.worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
         assert arbiter.gate.refused == refused + 1  # a second hello is refused
-        arbiter._worker_message([zmq.Frame(identity)])
+        arbiter.worker_message([zmq.Frame(identity)])
         assert arbiter.gate.refused == refused + 2
     finally:
         arbiter.context.term()

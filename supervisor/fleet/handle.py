@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from modelwarden.shared.states import ALIVE, EXIT_NAMES, WorkerState, check_transition
 from modelwarden.supervisor.fleet.probes import ProbeRecord
+from modelwarden.supervisor.routing import workers
 
 if TYPE_CHECKING:  # the status command imports this module and must not pay for pydantic
     from modelwarden.shared.config import WorkerSpec
@@ -44,7 +45,7 @@ def read_rss(pid: int) -> int | None:
         return None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class WorkerHandle:
     spec: WorkerSpec
     process: Any  # multiprocessing.Process (spawn context)
@@ -100,7 +101,7 @@ class WorkerHandle:
             self.on_state(self, old, new)
 
     def has_room(self, max_inflight: int) -> bool:
-        return self.state == WorkerState.READY and len(self.inflight) < max_inflight
+        return workers.has_room(self, max_inflight)
 
     def signal(self, signum: int) -> None:
         if self.exitcode is not None:

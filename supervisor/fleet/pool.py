@@ -57,6 +57,7 @@ from modelwarden.supervisor.fleet.placement import SlotPlacement
 from modelwarden.supervisor.fleet.probes import ProbeJudge, Verdict
 from modelwarden.supervisor.fleet.slot import Slot
 from modelwarden.supervisor.fleet.standby import Standbys
+from modelwarden.supervisor.routing import workers
 from modelwarden.supervisor.timers import Timers
 
 logger = logging.getLogger(__name__)
@@ -143,26 +144,12 @@ class ModelPool:
 
     def least_loaded(self) -> WorkerHandle | None:
         """The READY worker with room and the fewest requests in flight; workers failing probes
-        (or being replaced) only when nobody else has room; ties go to the *most* recently used:
-        its model is still in the CPU caches. (Least recently used alternated the workers at
-        low load, so each forward found its weights evicted by the other worker's: a 13 MB
-        model's forward measured 3x slower that way on this 2-core machine.)"""
-        best, best_key = None, None
-        limit = self.config.max_inflight
-        for slot in self.slots:
-            for handle in (slot.current, slot.previous):  # not slot.handles(): no list per call
-                if handle is None or not handle.has_room(limit):
-                    continue
-                suspect = handle.probe.consecutive_failures > 0 or handle.retiring is not None
-                key = (suspect, len(handle.inflight), -handle.last_dispatch)
-                if best_key is None or key < best_key:
-                    best, best_key = handle, key
-        return best
+        (or being replaced) last; ties to the most recently used (routing/workers.py)."""
+        return workers.least_loaded(self.slots, self.config.max_inflight)
 
     def all_fatal(self) -> bool:
         """No slot serves or will start a worker by itself soon: each is FATAL or stopped."""
-        return all(not slot.handles() and (slot.state == SlotState.FATAL or slot.held)
-                   for slot in self.slots)
+        return workers.serves_nothing(self.slots)
 
     def ready_count(self) -> int:
         """Slots serving now; a slot whose old worker serves while its replacement boots counts."""
@@ -517,12 +504,15 @@ class ModelPool:
             self.replace(handle, f"cuda memory {cuda} > max_cuda_memory {self.config.max_cuda_memory}")
 
     def after_result(self, handle: WorkerHandle) -> None:
+        """After each result: a worker past ``max_requests`` is replaced, a draining one that
+        holds nothing more stops. The router skips the call when neither can apply
+        (routing/workers.needs_the_pool)."""
         if handle.request_limit and handle.served >= handle.request_limit:
             self.replace(handle, f"served {handle.served} requests (max_requests)")
         self.stop_if_idle(handle)
 
     def probe_due(self, handle: WorkerHandle, now: float) -> bool:
-        return self.config.probes_enabled and handle.probe.is_due(now)
+        return self.config.probes_enabled and workers.probe_due(handle, now)
 
     def record_probe(self, handle: WorkerHandle, verdict: Verdict) -> None:
         probe = handle.probe

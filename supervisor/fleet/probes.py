@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 _NUMPY = {name: np.dtype(name) for name in DTYPES if name != "bfloat16"}
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ProbeRecord:
     """What the sentinel last learnt about one worker."""
 
@@ -65,9 +65,6 @@ class ProbeRecord:
         """No probe is in flight any more: answered, timed out, or its worker gone."""
         self.rid = self.inflight_since = None
 
-
-    def is_due(self, now: float) -> bool:
-        return self.inflight_since is None and now >= self.due_at
 
     def timed_out(self, now: float, timeout: float) -> bool:
         """The probe in flight has waited longer than ``timeout``: settled, and marked

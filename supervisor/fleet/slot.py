@@ -25,7 +25,7 @@ from modelwarden.supervisor.fleet.placement import SlotPlacement
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     index: int
     placement: SlotPlacement

@@ -21,3 +21,5 @@ cdef class ReplyLedger:
 
 @cython.locals(total=cython.Py_ssize_t)
 cpdef Py_ssize_t payload_bytes(object frames) except -1
+@cython.locals(total=cython.Py_ssize_t)
+cpdef check_message(list frames, Py_ssize_t max_bytes)

@@ -50,7 +50,9 @@ def check_message(frames: list, max_bytes: int) -> None:
     if len(frames) > MAX_FRAMES:
         raise ProtocolError(BAD_REQUEST, f"message of {len(frames)} frames exceeds {MAX_FRAMES} "
                             f"(MAX_TENSORS + {ENVELOPE_FRAMES})")
-    total = sum(map(len, frames))
+    total = 0
+    for frame in frames:
+        total += len(frame)
     if total > max_bytes:
         raise ProtocolError(BAD_REQUEST, f"message of {total} bytes exceeds max_message_bytes "
                             f"({max_bytes})")

@@ -12,6 +12,10 @@ from modelwarden.supervisor.routing.deadlines cimport Deadlines
 from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes
 from modelwarden.supervisor.routing.requests cimport Request
 from modelwarden.supervisor.routing.service cimport ModelService
+from modelwarden.supervisor.routing.workers cimport (has_room, least_loaded, needs_the_pool,
+                                                     probe_due, serves_nothing)
+
+cdef object _READY
 
 
 cdef class Router:

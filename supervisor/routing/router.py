@@ -28,6 +28,8 @@ from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.routing import batching
 from modelwarden.supervisor.routing.deadlines import Deadlines
+from modelwarden.supervisor.routing.workers import (has_room, least_loaded, needs_the_pool,
+                                                    probe_due, serves_nothing)
 from modelwarden.supervisor.fleet.handle import WorkerHandle
 from modelwarden.supervisor.routing.limits import ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.fleet import probes
@@ -50,6 +52,7 @@ logger = logging.getLogger(__name__)
 _RUN_PREFIX = (b"\x82" + protocol.pack("type") + protocol.pack(protocol.RUN)
                + protocol.pack("rid"))
 _NO_FRAMES: list = []
+_READY = WorkerState.READY
 
 
 @runtime_checkable
@@ -126,7 +129,7 @@ class Router:
             buffers = self._check_regions(connection[0], parsed)
             if service.inputs is not None:
                 check_declared(parsed.tree, parsed.tensors, service.inputs)
-            if pool.all_fatal():
+            if serves_nothing(pool.slots):
                 raise ProtocolError(NO_WORKER, f"every worker of {pool.name!r} is FATAL or "
                                     "stopped; see `modelwarden status`, then `modelwarden restart`")
             queue = service.queue
@@ -158,7 +161,8 @@ class Router:
             key = batching.signature(parsed, service.batching, service.handler)
             if key is not None:
                 request.batch_key, request.rows = key
-            request.queued_under_load = bool(queue) or pool.least_loaded() is None
+            request.queued_under_load = (bool(queue)
+                                         or least_loaded(pool.slots, service.max_inflight) is None)
         self.pending[request.rid] = request
         self.deadlines.add(request, timeout)
         queue.append(request)
@@ -231,8 +235,9 @@ class Router:
             return
         now = self.host.clock()
         config = service.batching
+        slots = pool.slots
         while queue:
-            handle = pool.least_loaded()
+            handle = least_loaded(slots, service.max_inflight)
             if handle is None:
                 return
             if service.batch_enabled:
@@ -266,9 +271,13 @@ class Router:
 
     def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
         """Probes go out between real requests: to a worker with room whose probe is due."""
+        service = self.services[pool.name]
+        service.follow(pool.config)
+        if not service.probes:
+            return
         now = self.host.clock()
         for handle in handles:
-            if pool.probe_due(handle, now) and handle.has_room(pool.config.max_inflight):
+            if probe_due(handle, now) and has_room(handle, service.max_inflight):
                 self._send_probe(handle, now)
 
     def _pass_buffers(self, handle: WorkerHandle, request: Request) -> bool:
@@ -352,10 +361,15 @@ class Router:
             # An allocator that failed once (fragmented CUDA cache, a heap at its limit) is not
             # trusted with the next request: a fresh process takes the slot, replace before retire.
             pool.replace(handle, "out of memory in forward")
-        pool.after_result(handle)
-        if handle.state == WorkerState.READY:
-            self.send_due_probes(pool, [handle])
-        self.services[pool.name].wanted = pool
+        if needs_the_pool(handle):
+            pool.after_result(handle)
+        service = self.services[pool.name]
+        service.follow(pool.config)
+        if service.probes and handle.state is _READY:
+            now = self.host.clock()
+            if probe_due(handle, now) and has_room(handle, service.max_inflight):
+                self._send_probe(handle, now)
+        service.wanted = pool
 
     def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
                       frames: list) -> None:

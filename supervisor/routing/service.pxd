@@ -4,6 +4,6 @@ cdef class ModelService:
     cdef public object name, queue, batches, hold, wanted, config, inputs, batching
     cdef public Py_ssize_t max_queue, max_inflight, max_delay_us
     cdef public double timeout
-    cdef public bint batch_enabled, handler
+    cdef public bint batch_enabled, handler, probes
 
     cpdef follow(self, object config)

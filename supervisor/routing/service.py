@@ -32,6 +32,7 @@ class ModelService:
         self.batch_enabled = False
         self.max_delay_us = 0
         self.handler = False  # its source is a handler: batched by what the header shows
+        self.probes = False  # its workers are probed (interval and an input)
 
     def follow(self, config):
         """Copy what each request reads from ``config`` unless it is the one copied already."""
@@ -46,6 +47,7 @@ class ModelService:
         self.batch_enabled = config.batching.enabled
         self.max_delay_us = config.batching.max_delay_us
         self.handler = config.source.startswith("handler:")
+        self.probes = config.probes_enabled
 
 
 class Services(dict):

@@ -1,0 +1,19 @@
+# C types for supervisor/routing/intake.py when Cython compiles it (pure-Python mode).
+
+from modelwarden.shared.protocol cimport reply_route, request_id_of, split_router_message, unpack_header
+from modelwarden.shared.sockets cimport send_parts
+from modelwarden.supervisor.routing.limits cimport check_message
+from modelwarden.supervisor.routing.router cimport Router
+
+cdef int _NOBLOCK
+
+
+cdef class Intake:
+    cdef public object host
+    cdef public Router router
+
+    cpdef drain_clients(self, Py_ssize_t index)
+    cpdef client_message(self, Py_ssize_t index, object sock, list frames, object peer,
+                         Py_ssize_t max_bytes)
+    cpdef drain_workers(self)
+    cpdef worker_message(self, list frames)

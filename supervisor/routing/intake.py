@@ -1,0 +1,146 @@
+"""Messages in, on the request path: each poll round drains the clients' messages from a frontend
+and the workers' messages from the backend, here, compiled (intake.pxd), and hands requests and
+results to the router. What is not per request goes back to the Arbiter: a client's ``hello``,
+and every worker message but an authenticated worker's result (its hello, state, heartbeat,
+failure, and anything the backend gate refuses: ``Arbiter._worker_message``).
+
+Each drain takes at most DRAIN_MAX messages from its socket (zmq_poll is level-triggered, so the
+next round sees whatever is left), which keeps every socket served in turn. Client messages
+arrive through shared/sockets.py, small frames as bytes, with the property that names their
+sender; a message is checked (frames and bytes), split, and its header parsed strictly before
+anything else is read of it. A bug while handling one message is logged and answered INTERNAL;
+it never stops the drain, nor the daemon.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import zmq
+
+from modelwarden.shared.protocol import (BAD_REQUEST, CLIENT_HELLO, INFER, INTERNAL, RESULT,
+                                         SIGNATURE, ProtocolError, pack, reply_route,
+                                         request_id_of, split_router_message, unpack_header)
+from modelwarden.shared.sockets import recv_message, recv_routed, send_parts
+from modelwarden.shared.states import ALIVE
+from modelwarden.supervisor.routing.identity import of_property, property_of
+from modelwarden.supervisor.routing.limits import check_message
+
+logger = logging.getLogger(__name__)
+
+DRAIN_MAX = 64  # messages read from one socket per poll round
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+class IntakeHost(Protocol):
+    """What the intake needs from the Arbiter: its router, sockets and settings; ``clock()``;
+    the worker of a backend routing id (``workers``) and its pool (``pool_of``); and the two
+    things it hands back: a client's ``hello`` and a worker message off the request path."""
+
+    router: object
+    settings: object
+    frontends: list
+    frontend_transports: list
+    backend: zmq.Socket
+    workers: dict
+
+    def clock(self) -> float: ...
+
+    def pool_of(self, handle): ...
+
+    def hello(self, index: int) -> dict: ...
+
+    def worker_message(self, frames: list) -> None: ...
+
+
+class Intake:
+    def __init__(self, host):
+        self.host = host
+        self.router = host.router
+
+    # -- clients ------------------------------------------------------------------------------
+
+    def drain_clients(self, index):
+        """Up to DRAIN_MAX messages from frontend ``index``."""
+        host = self.host
+        sock = host.frontends[index]
+        transport = host.frontend_transports[index]
+        prop = property_of(transport)
+        max_bytes = host.settings.daemon.max_message_bytes
+        for _ in range(DRAIN_MAX):
+            received = recv_routed(sock, prop)
+            if received is None:
+                return
+            frames, raw = received
+            try:
+                self.client_message(index, sock, frames, of_property(raw, transport), max_bytes)
+            except Exception:
+                logger.exception("error handling a client message")
+                self.router.send_error(sock, reply_route(frames), None, INTERNAL,
+                                       "internal error; see the daemon's log")
+
+    def client_message(self, index, sock, frames, peer, max_bytes):
+        """``frames`` as shared/sockets.py receives them (small ones bytes); ``peer`` the
+        identity whose shares the message counts against."""
+        router = self.router
+        try:
+            check_message(frames, max_bytes)
+        except ProtocolError as exc:
+            route = reply_route(frames)
+            frames.clear()  # release the payload now, not after the reply is queued
+            router.send_error(sock, route, None, exc.code, exc.message)
+            return
+        try:
+            envelope = split_router_message(frames)
+            header = unpack_header(envelope.header)
+        except ProtocolError as exc:
+            router.send_error(sock, reply_route(frames), None, exc.code, exc.message)
+            return
+        kind = header.get("type")
+        if kind == INFER:
+            router.accept_infer(sock, (index, frames[0]), envelope, header, peer)
+            return
+        request_id = request_id_of(header)
+        if kind != CLIENT_HELLO:
+            router.send_error(sock, envelope.route, request_id, BAD_REQUEST,
+                              f"unknown request type {str(kind)[:32]!r}")
+            return
+        try:
+            reply = self.host.hello(index)
+        except ProtocolError as exc:
+            router.send_error(sock, envelope.route, request_id, exc.code, exc.message)
+            return
+        reply.update(id=request_id, ok=True)
+        send_parts(sock, [*envelope.route, SIGNATURE, pack(reply)])
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def drain_workers(self):
+        """Up to DRAIN_MAX messages from the backend."""
+        backend = self.host.backend
+        for _ in range(DRAIN_MAX):
+            frames = recv_message(backend, _NOBLOCK)
+            if frames is None:
+                return
+            try:
+                self.worker_message(frames)
+            except Exception:
+                logger.exception("unexpected error in a worker message")
+
+    def worker_message(self, frames):
+        """An authenticated worker's result goes to the router; anything else to the Arbiter."""
+        host = self.host
+        if len(frames) >= 3:
+            handle = host.workers.get(frames[0])
+            if handle is not None and handle.authenticated:
+                try:
+                    header = unpack_header(frames[1], False)
+                except ProtocolError:
+                    header = None  # the Arbiter refuses it, saying why
+                if header is not None and header.get("type") == RESULT:
+                    if handle.state in ALIVE:  # else declared dead: what it says is too late
+                        handle.last_seen = host.clock()
+                        self.router.on_result(host.pool_of(handle), handle, header, frames[2:])
+                    return
+        host.worker_message(frames)
