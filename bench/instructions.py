@@ -58,6 +58,11 @@ def counted(pid: int, out: Path, load) -> int:
     load()
     control(pid, "-d")
     control(pid, "-i", "off")
+    return latest_count(out)
+
+
+def latest_count(out: Path) -> int:
+    """The instructions in the newest dump callgrind wrote for ``out``."""
     dumps = sorted(out.parent.glob(out.name + ".*"), key=lambda path: path.stat().st_mtime)
     return total_instructions(dumps[-1])
 
@@ -153,21 +158,29 @@ def supervisor(workdir: Path, tree: Path, batching: dict | None, requests: int) 
                                             wrapper=valgrind(out), tree=tree, ready_s=600)
     x = workloads["W1"].inputs[0]
 
-    async def run(count: int) -> None:
+    async def load(client, count: int) -> None:
+        left = count
+
+        async def one():
+            nonlocal left
+            while left > 0:
+                left -= 1
+                await client.infer("w1", x)
+
+        await asyncio.gather(*[one() for _ in range(IN_FLIGHT)])
+
+    async def run() -> int:
+        # One client for the warm-up and the count: its connection and hello are not counted.
         async with AsyncClient(endpoint, timeout=300) as client:
-            left = count
-
-            async def one():
-                nonlocal left
-                while left > 0:
-                    left -= 1
-                    await client.infer("w1", x)
-
-            await asyncio.gather(*[one() for _ in range(IN_FLIGHT)])
+            await load(client, WARMUP)
+            control(daemon.pid, "-i", "on")
+            await load(client, requests)
+            control(daemon.pid, "-d")
+            control(daemon.pid, "-i", "off")
+        return latest_count(out)
 
     try:
-        asyncio.run(run(WARMUP))
-        return counted(daemon.pid, out, lambda: asyncio.run(run(requests))) // requests
+        return asyncio.run(run()) // requests
     finally:
         serving.stop_process(daemon)
 

@@ -106,7 +106,10 @@ class _Reader:
     def read(self, depth):
         if depth > self.max_depth:
             raise Malformed("StackError")
-        start = self.take(1)
+        start = self.pos
+        if start >= self.end:
+            raise Malformed("incomplete input")
+        self.pos = start + 1
         code = self.data[start]
         if code <= 0x7F:
             return code
@@ -178,9 +181,10 @@ class _Reader:
         if size >= _CACHED_BELOW:
             return self.decode(start, size)
         data = self.data
-        slot = size
-        for index in range(start, start + size):
-            slot = (slot * 31 + data[index]) & (_CACHE_SLOTS - 1)
+        if size == 0:
+            return ""
+        # The slot from the length and the two ends: cheap, and the bytes are compared whole.
+        slot = (size * 131 + data[start] * 31 + data[start + size - 1]) & (_CACHE_SLOTS - 1)
         raw = _cached_raw[slot]
         if len(raw) == size:
             index = 0

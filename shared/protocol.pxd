@@ -9,6 +9,7 @@ from modelwarden.shared.mpack cimport pack as pack_value, pack_uint, unpack as r
 cdef list _FIXMAPS
 cdef bytes _TIMING_KEY, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY
 cdef Py_ssize_t _MAX_STR, _MAX_BIN, _MAX_ENTRIES
+cdef list _TENSOR_NAMES
 
 
 cdef class Envelope:
@@ -25,9 +26,9 @@ cpdef object unpack_header(object buf, bint strict=*)
 cpdef Envelope split_router_message(object frames)
 cpdef list reply_route(object frames)
 cpdef bint _is_int(object value)
-cpdef object request_id_of(object header)
-cpdef object require_id(object header)
-cpdef object require_str(object header, object key, Py_ssize_t max_bytes=*)
+cpdef object request_id_of(dict header)
+cpdef object require_id(dict header)
+cpdef object require_str(dict header, object key, Py_ssize_t max_bytes=*)
 cpdef object require_uint(object value, object what, object limit=*)
 cpdef object _desc(object dtype, object shape, object nbytes, object frame, object shm, object longest)
 cpdef object tensor_nbytes(object dtype, object shape)
@@ -40,7 +41,7 @@ cpdef list parse_tensors(object value)
 cpdef check_tree(object tree, Py_ssize_t n_tensors, object what=*)
 cdef _walk_tree(object node, Py_ssize_t n_tensors, set seen, int depth)
 @cython.locals(inline=cython.Py_ssize_t, tensors=list)
-cpdef InferRequest parse_infer(object header, Py_ssize_t n_frames)
+cpdef InferRequest parse_infer(dict header, Py_ssize_t n_frames)
 cpdef frame_lengths_match(object tensors, object payload)
 @cython.locals(first=cython.int)
 cpdef bytes add_timing(object packed, object queue_us, object compute_us, object total_us, object batch)

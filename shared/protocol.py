@@ -261,7 +261,7 @@ def request_id_of(header: dict) -> Any:
     rid = header.get("id")
     if _is_int(rid) and -MAX_INT <= rid <= MAX_INT:
         return rid
-    if isinstance(rid, str) and len(rid.encode()) <= MAX_ID_BYTES:
+    if isinstance(rid, str) and (len(rid) * 4 <= MAX_ID_BYTES or len(rid.encode()) <= MAX_ID_BYTES):
         return rid
     return None
 
@@ -275,7 +275,9 @@ def require_id(header: dict) -> Any:
 
 def require_str(header: dict, key: str, max_bytes: int = MAX_NAME_BYTES) -> str:
     value = header.get(key)
-    if not isinstance(value, str) or not value or len(value.encode()) > max_bytes:
+    # A char is at most 4 bytes of UTF-8: a short string needs no encoding to be measured.
+    if (not isinstance(value, str) or not value
+            or (len(value) * 4 > max_bytes and len(value.encode()) > max_bytes)):
         raise bad(f"'{key}' must be a non-empty string of at most {max_bytes} bytes")
     return value
 
@@ -347,8 +349,11 @@ def parse_region(value: Any, what: str) -> tuple[str, int, int]:
     return token, offset, nbytes
 
 
+_TENSOR_NAMES = [f"tensor {index}" for index in range(MAX_TENSORS)]  # made once, not per tensor
+
+
 def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
-    what = f"tensor {index}"
+    what = _TENSOR_NAMES[index] if 0 <= index < MAX_TENSORS else f"tensor {index}"
     if not isinstance(value, dict):
         raise bad(f"{what}: descriptor must be a map")
     dtype = value.get("dtype")

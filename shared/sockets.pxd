@@ -8,6 +8,7 @@
 from cpython.buffer cimport Py_buffer, PyBuffer_FillInfo
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
+from cpython.mem cimport PyMem_Free, PyMem_Realloc
 from libc.string cimport memcpy
 
 cdef extern from *:
@@ -16,6 +17,8 @@ cdef extern from *:
     /* libzmq's zmq_msg_t as zmq.h (4.x) lays it out on this ABI: 64 opaque bytes, pointer-aligned. */
     typedef struct { unsigned char _[64] __attribute__((aligned(sizeof(void *)))); } mw_msg_t;
     typedef const char *mw_cstr;
+    /* zmq_pollitem_t as zmq.h lays it out where a descriptor is an int (not Windows). */
+    typedef struct { void *socket; int fd; short events; short revents; } mw_pollitem_t;
     static int (*mw_zmq_msg_init)(mw_msg_t *);
     static int (*mw_zmq_msg_init_size)(mw_msg_t *, size_t);
     static int (*mw_zmq_msg_send)(mw_msg_t *, void *, int);
@@ -27,6 +30,7 @@ cdef extern from *:
     static int (*mw_zmq_msg_more)(mw_msg_t *);
     static const char *(*mw_zmq_msg_gets)(mw_msg_t *, const char *);
     static int (*mw_zmq_errno)(void);
+    static int (*mw_zmq_poll)(mw_pollitem_t *, int, long);
 
     /* The functions of the libzmq that the already-loaded module at `path` (pyzmq's extension)
        uses: dlsym on its handle searches it and then the libraries it loaded. 0, or -1 if one
@@ -38,6 +42,7 @@ cdef extern from *:
         MW_BIND(zmq_msg_init) MW_BIND(zmq_msg_init_size) MW_BIND(zmq_msg_send)
         MW_BIND(zmq_msg_recv) MW_BIND(zmq_msg_close) MW_BIND(zmq_msg_copy) MW_BIND(zmq_msg_data)
         MW_BIND(zmq_msg_size) MW_BIND(zmq_msg_more) MW_BIND(zmq_msg_gets) MW_BIND(zmq_errno)
+        MW_BIND(zmq_poll)
     #undef MW_BIND
         dlclose(module);  /* pyzmq keeps it loaded: this only drops our reference */
         return 0;
@@ -49,6 +54,11 @@ cdef extern from *:
     ctypedef struct mw_msg_t:
         pass
     ctypedef const char *mw_cstr
+    ctypedef struct mw_pollitem_t:
+        void *socket
+        int fd
+        short events
+        short revents
     int zmq_msg_init "mw_zmq_msg_init"(mw_msg_t *)
     int zmq_msg_init_size "mw_zmq_msg_init_size"(mw_msg_t *, size_t)
     int zmq_msg_send "mw_zmq_msg_send"(mw_msg_t *, void *, int)
@@ -60,7 +70,18 @@ cdef extern from *:
     int zmq_msg_more "mw_zmq_msg_more"(mw_msg_t *)
     mw_cstr zmq_msg_gets "mw_zmq_msg_gets"(mw_msg_t *, const char *)
     int zmq_errno "mw_zmq_errno"()
+    int zmq_poll "mw_zmq_poll"(mw_pollitem_t *, int, long) nogil
     int mw_bind_libzmq(const char *path)
+
+
+cdef class Poller:
+    cdef public list items
+    cdef public bint stale
+    cdef Py_ssize_t capacity
+    cdef mw_pollitem_t *c_items
+
+    cdef list _poll_c(self, int timeout)
+    cdef int _fill(self) except -1
 
 
 cdef class Part:
@@ -68,7 +89,7 @@ cdef class Part:
     cdef Py_ssize_t size
 
 
-cdef int _SNDMORE, _NOBLOCK, _EAGAIN, _EINTR
+cdef int _SNDMORE, _NOBLOCK, _POLLIN, _EAGAIN, _EINTR
 cdef Py_ssize_t _COPY_BELOW
 
 cpdef send_parts(object socket, list parts)

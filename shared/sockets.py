@@ -33,6 +33,7 @@ except ImportError:
 COMPILED = not __file__.endswith(".py")
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
 COPY_BELOW = 65536  # a part this small is copied into bytes: cheaper than keeping libzmq's
 _COPY_BELOW = COPY_BELOW
 _EAGAIN = _errno.EAGAIN
@@ -256,6 +257,86 @@ def _sent_now(msg, handle, flags):
         if code == _EAGAIN:
             return 0
         raise zmq.ZMQError(code)
+
+
+class Poller:
+    """``zmq.Poller`` for what the supervisor's loop needs: items (zmq sockets, descriptors,
+    objects with ``fileno()``) registered for reading, and ``poll(timeout_ms)`` answering the
+    list of those ready (None waits for ever). pyzmq's Poller builds its list of items again in
+    Python on every poll; compiled, this one keeps them in a C array between calls, rebuilt only
+    when an item comes or goes, and calls libzmq's zmq_poll with the GIL released. A signal
+    that interrupts the wait runs its handler (which may raise) and answers an empty list.
+    Uncompiled, pyzmq's zmq_poll does the same wait (it waits on after a signal)."""
+
+    def __init__(self):
+        self.items = []  # registered, in order
+        self.stale = True  # the C array no longer matches ``items``
+        self.capacity = 0
+
+    def register(self, item):
+        if item not in self.items:
+            self.items.append(item)
+            self.stale = True
+
+    def unregister(self, item):
+        self.items.remove(item)  # ValueError if it was not registered
+        self.stale = True
+
+    def poll(self, timeout=None):
+        timeout = -1 if timeout is None else int(timeout)
+        if COMPILED:
+            return self._poll_c(timeout)
+        keys = [item if isinstance(item, (zmq.Socket, int)) else item.fileno() for item in self.items]
+        ready = {key for key, _ in zmq.zmq_poll([(key, zmq.POLLIN) for key in keys], timeout)}
+        return [item for item, key in zip(self.items, keys) if key in ready]
+
+    def _poll_c(self, timeout):
+        count = cython.declare(cython.int, len(self.items))
+        rc = cython.declare(cython.int)
+        index = cython.declare(cython.int)
+        if self.stale:
+            self._fill()
+        with cython.nogil:
+            rc = zmq_poll(self.c_items, count, timeout)
+        if rc < 0:
+            code = zmq_errno()
+            if code == _EINTR:
+                PyErr_CheckSignals()
+                return []
+            raise zmq.ZMQError(code)
+        ready = []
+        if rc > 0:
+            for index in range(count):
+                if self.c_items[index].revents:
+                    ready.append(self.items[index])
+        return ready
+
+    def _fill(self):
+        """The C array from ``items``: a zmq socket by its handle, anything else by its fd."""
+        count = cython.declare(cython.Py_ssize_t, len(self.items))
+        index = cython.declare(cython.Py_ssize_t)
+        if count > self.capacity:
+            grown = cython.cast(cython.pointer(mw_pollitem_t),
+                                PyMem_Realloc(self.c_items, count * cython.sizeof(mw_pollitem_t)))
+            if grown == cython.NULL:
+                raise MemoryError()
+            self.c_items = grown
+            self.capacity = count
+        for index in range(count):
+            item = self.items[index]
+            if isinstance(item, zmq.Socket):
+                self.c_items[index].socket = cython.cast(
+                    cython.p_void, cython.cast(cython.size_t, _handle(item)))
+                self.c_items[index].fd = 0
+            else:
+                self.c_items[index].socket = cython.NULL
+                self.c_items[index].fd = item if isinstance(item, int) else item.fileno()
+            self.c_items[index].events = _POLLIN
+            self.c_items[index].revents = 0
+        self.stale = False
+
+    def __dealloc__(self):
+        PyMem_Free(self.c_items)
 
 
 def _bind_libzmq():

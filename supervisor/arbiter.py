@@ -37,7 +37,7 @@ import zmq
 
 from modelwarden import compiled
 from modelwarden.shared import __version__, protocol
-from modelwarden.shared.sockets import recv_parts, send_parts
+from modelwarden.shared.sockets import Poller, recv_parts, send_parts
 from modelwarden.shared.config import ConfigError, ModelConfig, Settings, WorkerSpec, load_settings
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
                                          ProtocolError)
@@ -85,7 +85,6 @@ class Arbiter:
         self.quotas = Quotas(shares_from(settings, MAX_CHANNEL_CONNECTIONS, MAX_BUFFERS),
                              house=identity.uid_identity(os.geteuid()))
         self.router = Router(self)
-        self.intake = Intake(self)
         self.registry = BufferRegistry(max_bytes=max_buffer_bytes(settings), quotas=self.quotas)
         self.buffer_server: BufferServer | None = None
         self.notifier = Notifier()
@@ -109,7 +108,7 @@ class Arbiter:
         self._spawn = multiprocessing.get_context("spawn")
         self._lock = None
         self.context = zmq.Context()
-        self.poller = zmq.Poller()
+        self.poller = Poller()
         self.frontends: list[zmq.Socket] = []
         self._frontend_is_ipc: list[bool] = []
         self.frontend_transports: list[str] = []  # how each frontend's peers are known (identity)
@@ -123,6 +122,7 @@ class Arbiter:
         self.telemetry = None  # supervisor/metrics.py, when [daemon] metrics is set
         self.metrics_server = None
         self.gateway = None  # supervisor/gatewaykeeper.py's GatewayKeeper, when [gateway] is set
+        self.intake = Intake(self)  # last: it keeps references to what is above
 
     def pool_of(self, handle: WorkerHandle) -> ModelPool | None:
         return self.fleet.pool_of(handle)
@@ -202,7 +202,7 @@ class Arbiter:
                    and (self.gateway is None or self.gateway.stop_last())):
             due = self.timers.next_due()
             timeout = None if due is None else max(0, math.ceil((due - self.clock()) * 1000))
-            for item, _ in self.poller.poll(timeout):
+            for item in self.poller.poll(timeout):
                 handler = self._handlers.get(item)
                 if handler is not None:
                     self._guarded(handler)
@@ -319,7 +319,7 @@ class Arbiter:
         return sock
 
     def _on(self, item, handler) -> None:
-        self.poller.register(item, zmq.POLLIN)
+        self.poller.register(item)
         self._handlers[item] = handler
 
     def _off(self, item) -> None:

@@ -196,3 +196,50 @@ def test_a_send_that_must_wait_waits_without_holding_the_gil(tmp_path):
         dealer.close()
         router.close()
         context.term()
+
+
+# -- the loop's poller ---------------------------------------------------------------------------
+
+
+def test_the_poller_answers_the_items_that_are_ready_and_follows_registrations(pair):
+    import signal
+    import socket
+    import time
+
+    dealer, router = pair
+    reader, writer = socket.socketpair()
+    poller = sockets.Poller()
+    for item in (router, reader.fileno(), reader):  # a zmq socket, a descriptor, a file object
+        poller.register(item)
+    poller.register(router)  # twice: still one item
+    assert poller.poll(0) == []
+    send_parts(dealer, [b"x"])
+    assert poller.poll(5000) == [router]  # level-triggered: ready until read
+    assert poller.poll(0) == [router]
+    arrived(router)
+    writer.send(b"!")
+    assert poller.poll(5000) == [reader.fileno(), reader]  # both names of the descriptor
+    poller.unregister(reader)
+    assert poller.poll(0) == [reader.fileno()]
+    reader.recv(1)
+    started = time.monotonic()
+    assert poller.poll(50) == [] and time.monotonic() - started >= 0.04  # the timeout is waited
+    # A signal during an endless wait runs its handler, whose byte (the loop's wakeup pattern)
+    # ends the wait: compiled, the interrupted poll answers [] at once and the next one finds it.
+    fired = []
+
+    def handler(*_):
+        fired.append(True)
+        writer.send(b"!")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert poller.poll(None) in ([], [reader.fileno()]) and fired
+        assert poller.poll(5000) == [reader.fileno()]
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    poller.unregister(reader.fileno())
+    assert poller.poll(0) == []
+    reader.close()
+    writer.close()

@@ -77,6 +77,7 @@ class WorkerHandle:
     buffer_socket: Any = None  # our end of the SEQPACKET pair that carries buffer descriptors
     buffers: set = field(default_factory=set)  # tokens whose descriptors this worker holds
     authenticated: bool = False  # presented its spawn secret (supervisor.workerauth)
+    pool: Any = None  # the ModelPool that launched it, and owns it for its whole life
 
     @property
     def worker_id(self) -> str:

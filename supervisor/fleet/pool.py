@@ -174,6 +174,7 @@ class ModelPool:
         spec = self.host.worker_spec(self.config, slot.index, slot.generation, slot.placement)
         try:
             handle = self.host.launch(spec, self._on_state)
+            handle.pool = self
         except OSError as exc:  # no process at all (EAGAIN, ENOMEM, EMFILE): a failed start
             logger.critical("%s#%d: cannot spawn a worker: %s", self.name, slot.index, exc)
             slot.set_state(SlotState.STARTING, "spawning")

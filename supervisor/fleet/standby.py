@@ -112,6 +112,7 @@ class Standbys:
                                    standby=serial)
         try:
             handle = self.host.launch(spec, pool._on_state)
+            handle.pool = pool
         except OSError as exc:
             logger.critical("%s: cannot spawn a standby: %s", pool.name, exc)
             self._retry_later()

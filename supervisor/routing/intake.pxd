@@ -9,8 +9,9 @@ cdef int _NOBLOCK
 
 
 cdef class Intake:
-    cdef public object host
+    cdef public object host, clock
     cdef public Router router
+    cdef public dict workers
 
     cpdef drain_clients(self, Py_ssize_t index)
     cpdef client_message(self, Py_ssize_t index, object sock, list frames, object peer,

@@ -35,8 +35,10 @@ _NOBLOCK = int(zmq.NOBLOCK)
 
 class IntakeHost(Protocol):
     """What the intake needs from the Arbiter: its router, sockets and settings; ``clock()``;
-    the worker of a backend routing id (``workers``) and its pool (``pool_of``); and the two
-    things it hands back: a client's ``hello`` and a worker message off the request path."""
+    the worker of a backend routing id (``workers``, a dict the Arbiter keeps up to date) and,
+    for one its pool did not mark as its own (``WorkerHandle.pool``), its pool (``pool_of``);
+    and the two things it hands back: a client's ``hello`` and a worker message off the
+    request path."""
 
     router: object
     settings: object
@@ -58,6 +60,8 @@ class Intake:
     def __init__(self, host):
         self.host = host
         self.router = host.router
+        self.workers = host.workers  # the Arbiter's own dict, kept up to date by it
+        self.clock = host.clock
 
     # -- clients ------------------------------------------------------------------------------
 
@@ -132,7 +136,7 @@ class Intake:
         """An authenticated worker's result goes to the router; anything else to the Arbiter."""
         host = self.host
         if len(frames) >= 3:
-            handle = host.workers.get(frames[0])
+            handle = self.workers.get(frames[0])
             if handle is not None and handle.authenticated:
                 try:
                     header = unpack_header(frames[1], False)
@@ -140,7 +144,10 @@ class Intake:
                     header = None  # the Arbiter refuses it, saying why
                 if header is not None and header.get("type") == RESULT:
                     if handle.state in ALIVE:  # else declared dead: what it says is too late
-                        handle.last_seen = host.clock()
-                        self.router.on_result(host.pool_of(handle), handle, header, frames[2:])
+                        handle.last_seen = self.clock()
+                        pool = handle.pool
+                        if pool is None:
+                            pool = host.pool_of(handle)
+                        self.router.on_result(pool, handle, header, frames[2:])
                     return
         host.worker_message(frames)

@@ -12,11 +12,22 @@ cdef class RequestBytes:
     cpdef give_back(self, object connection, Py_ssize_t nbytes)
 
 
+cdef class _Backlog:
+    cdef public Py_ssize_t sent, written, untracked
+    cdef public object trackers
+    cdef public bint refusing
+
+    @cython.locals(before=cython.Py_ssize_t)
+    cpdef Py_ssize_t settle(self) except? -1
+
+
 cdef class ReplyLedger:
     cdef public Py_ssize_t per_connection, total_cap, total
     cdef public dict backlogs
 
+    @cython.locals(backlog=_Backlog, unread=cython.Py_ssize_t)
     cpdef prepare(self, object connection, list parts, Py_ssize_t nbytes)
+    cpdef _settle(self, object connection, _Backlog backlog)
 
 
 @cython.locals(total=cython.Py_ssize_t)

@@ -98,8 +98,6 @@ class _Backlog:
     """Replies to one connection: tracked bytes sent and known written, trackers not yet done,
     and the bytes sent since the last tracked reply (not counted until the next one)."""
 
-    __slots__ = ("sent", "written", "trackers", "untracked", "refusing")
-
     def __init__(self) -> None:
         self.sent = 0
         self.written = 0

@@ -2,13 +2,17 @@
 
 cimport cython
 
+cdef dict _INDEX
+
+
 cdef class Quotas:
     cdef public object house
     cdef public dict held
     cdef object _shares
-    cdef dict _limits
+    cdef list _limits
 
-    @cython.locals(held=dict, now=cython.Py_ssize_t)
+    @cython.locals(held=list, now=cython.Py_ssize_t, index=cython.Py_ssize_t,
+                   limit=cython.Py_ssize_t)
     cpdef take(self, object identity, str resource, Py_ssize_t amount=*)
-    @cython.locals(held=dict, left=cython.Py_ssize_t)
+    @cython.locals(held=list, left=cython.Py_ssize_t, index=cython.Py_ssize_t)
     cpdef give_back(self, object identity, str resource, Py_ssize_t amount=*)

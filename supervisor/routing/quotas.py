@@ -86,13 +86,17 @@ def shares_from(settings: "Settings", connections: int, buffers: int) -> Shares:
         request_bytes=daemon.max_request_bytes_per_identity or default_share(daemon.max_request_bytes, 4))
 
 
+_INDEX = {resource: index for index, resource in enumerate(RESOURCES)}
+
+
 class Quotas:
     """What each identity holds now, against its share. On every request's path (a take and a
-    give-back each for requests and bytes): plain dicts, one lookup per step."""
+    give-back each for requests and bytes): per identity a list of five counts, in the order of
+    RESOURCES, so a step is one dict lookup and one item. Compiled (quotas.pxd)."""
 
     def __init__(self, shares: Shares, house: str | None = None) -> None:
         self.house = house
-        self.held: dict[str, dict[str, int]] = {}  # identity -> resource -> amount (no zeros kept)
+        self.held: dict[str, list] = {}  # identity -> [count per resource] (none all zeros)
         self.shares = shares
 
     @property
@@ -102,51 +106,52 @@ class Quotas:
     @shares.setter
     def shares(self, shares: Shares) -> None:
         self._shares = shares
-        self._limits = {resource: shares.of(resource) for resource in RESOURCES}
+        self._limits = [shares.of(resource) for resource in RESOURCES]
 
     def take(self, identity: str, resource: str, amount: int = 1) -> None:
         """Count ``amount`` of ``resource`` for ``identity``, or raise OVERLOADED naming the limit."""
+        index = _INDEX[resource]
         held = self.held.get(identity)
-        now = (held.get(resource, 0) if held is not None else 0) + amount
-        if now > self._limits[resource] and identity != self.house:
-            limit = self._limits[resource]
+        now = (held[index] if held is not None else 0) + amount
+        limit = self._limits[index]
+        if now > limit and identity != self.house:
             raise ProtocolError(OVERLOADED, f"{identity} holds {now - amount} {_unit(resource)}; "
                                 f"{amount} more would pass {LIMIT_KEYS[resource]} ({limit}); "
                                 "retry later")
         if held is None:
-            held = self.held[identity] = {}
-        held[resource] = now
+            held = self.held[identity] = [0, 0, 0, 0, 0]
+        held[index] = now
 
     def count(self, identity: str, resource: str, amount: int = 1) -> None:
         """Count what is held already, within its share or not (a connection libzmq accepted
         before the loop could say no: it is counted until it is gone)."""
-        held = self.held.setdefault(identity, {})
-        held[resource] = held.get(resource, 0) + amount
+        held = self.held.get(identity)
+        if held is None:
+            held = self.held[identity] = [0, 0, 0, 0, 0]
+        held[_INDEX[resource]] += amount
 
     def allows(self, identity: str, resource: str, amount: int = 1) -> bool:
         """Would ``take`` succeed now? (For a connection already made: refused, it is shut.)"""
         return (identity == self.house
-                or self.holding(identity, resource) + amount <= self._limits[resource])
+                or self.holding(identity, resource) + amount <= self._limits[_INDEX[resource]])
 
     def give_back(self, identity: str, resource: str, amount: int = 1) -> None:
         held = self.held.get(identity)
         if held is None:
             return
-        left = held.get(resource, 0) - amount
-        if left > 0:
-            held[resource] = left
-            return
-        held.pop(resource, None)
-        if not held:
+        index = _INDEX[resource]
+        left = held[index] - amount
+        held[index] = left if left > 0 else 0
+        if left <= 0 and not (held[0] or held[1] or held[2] or held[3] or held[4]):
             del self.held[identity]
 
     def holding(self, identity: str, resource: str) -> int:
         held = self.held.get(identity)
-        return held.get(resource, 0) if held is not None else 0
+        return held[_INDEX[resource]] if held is not None else 0
 
     def view(self) -> list[dict]:
         """The identities holding anything, the largest holders first (status, metrics)."""
-        rows = [{"identity": identity, **{resource: held.get(resource, 0) for resource in RESOURCES}}
+        rows = [{"identity": identity, **dict(zip(RESOURCES, held))}
                 for identity, held in self.held.items()]
         rows.sort(key=lambda row: tuple(-row[resource] for resource in RESOURCES))
         return rows[:SHOWN_IDENTITIES]

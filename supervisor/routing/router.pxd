@@ -10,6 +10,7 @@ from modelwarden.shared.protocol cimport (add_timing, frame_lengths_match, parse
 from modelwarden.shared.sockets cimport send_parts
 from modelwarden.supervisor.routing.deadlines cimport Deadlines
 from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes
+from modelwarden.supervisor.routing.quotas cimport Quotas
 from modelwarden.supervisor.routing.requests cimport Request
 from modelwarden.supervisor.routing.service cimport ModelService
 from modelwarden.supervisor.routing.workers cimport (has_room, least_loaded, needs_the_pool,
@@ -32,6 +33,7 @@ cdef class Router:
                    nbytes=cython.Py_ssize_t)
     cpdef accept_infer(self, object socket, object connection, object envelope, dict header,
                        object identity=*)
+    @cython.locals(quotas=Quotas)
     cpdef _take_budgets(self, object connection, object identity, Py_ssize_t nbytes)
     cpdef dispatch_wanted(self)
     @cython.locals(service=ModelService, members=list, now=cython.double)
@@ -45,7 +47,7 @@ cdef class Router:
     @cython.locals(total_us=cython.longlong, queue_us=cython.longlong)
     cpdef _relay_result(self, object handle, Request request, dict envelope, list frames)
     cpdef finish(self, Request request, dict reply)
-    @cython.locals(parts=list)
+    @cython.locals(parts=list, quotas=Quotas)
     cpdef _answer(self, Request request, object header, list frames=*, str code=*, dict timing=*)
     cpdef fail(self, Request request, str code, str message)
     cpdef expire(self, Request request)

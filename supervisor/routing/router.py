@@ -415,10 +415,11 @@ class Router:
         request.done = True
         self.deadlines.answered(request, request.timeout)
         self.pending.pop(request.rid, None)
+        quotas = self.host.quotas
         if request.nbytes:
             self.request_bytes.give_back(request.connection, request.nbytes)
-            self.host.quotas.give_back(request.identity, "request_bytes", request.nbytes)
-        self.host.quotas.give_back(request.identity, "requests")
+            quotas.give_back(request.identity, "request_bytes", request.nbytes)
+        quotas.give_back(request.identity, "requests")
         # An answered request may wait in its deadline lane a while: it keeps no payload there.
         request.payload = _NO_FRAMES
         request.header_frame = None
