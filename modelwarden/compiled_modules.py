@@ -23,6 +23,8 @@ COMPILED: dict[str, str] = {
     "modelwarden.supervisor.routing.workers": "supervisor/routing/workers.py",
     "modelwarden.supervisor.routing.intake": "supervisor/routing/intake.py",
     "modelwarden.supervisor.routing.identity": "supervisor/routing/identity.py",
+    # the worker's side of the request path: what the router reads of each worker per request
+    "modelwarden.supervisor.fleet.handle": "supervisor/fleet/handle.py",
     "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
     "modelwarden.supervisor.routing.quotas": "supervisor/routing/quotas.py",
     # the codec of the client and the worker

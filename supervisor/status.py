@@ -77,7 +77,7 @@ def _batching_row(arbiter: StatusView, pool) -> dict | None:
     if not config.enabled:
         return None
     return {"max_size_allowed": config.max_size, "max_delay_us": config.max_delay_us,
-            "dim": config.dim, **arbiter.router.services[pool.name].batches.view()}
+            "dim": config.dim, **arbiter.router.service_of(pool).batches.view()}
 
 
 def _slot_rows(pool, slot, now: float) -> list[dict]:

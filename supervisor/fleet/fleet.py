@@ -131,6 +131,7 @@ class Fleet:
                     pool.scale([], f"model {pool.name} removed by a reload")
             elif not pool.handles():
                 self.leaving.remove(pool)
+                router.forget(pool)
                 logger.info("model %s: removed; its last worker has left", pool.name)
 
     # -- stopping ----------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ import collections
 import logging
 import os
 import signal
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
 from modelwarden.shared.states import ALIVE, EXIT_NAMES, WorkerState, check_transition
@@ -45,39 +44,48 @@ def read_rss(pid: int) -> int | None:
         return None
 
 
-@dataclass(eq=False, slots=True)
 class WorkerHandle:
-    spec: WorkerSpec
-    process: Any  # multiprocessing.Process (spawn context)
-    pid: int
-    sentinel: int
-    started_at: float
-    on_state: Callable[["WorkerHandle", WorkerState, WorkerState], None] | None = None
-    state: WorkerState = WorkerState.STARTING
-    ready_at: float | None = None  # READY (a standby: STANDBY, until it is promoted and READY)
-    promoted_at: float | None = None  # a standby promoted into a slot: when (monotonic)
-    last_seen: float = 0.0
-    inflight: dict = field(default_factory=dict)  # rid -> Request (probes included)
-    served: int = 0
-    errors: int = 0
-    latencies_us: collections.deque = field(default_factory=lambda: collections.deque(maxlen=LATENCY_WINDOW))
-    info: dict = field(default_factory=dict)  # what the worker reported: threads, cores, device
-    failure: str | None = None  # the worker's own account of why it could not start
-    retiring: str | None = None  # why it is being replaced, once a replacement is under way
-    rss_bytes: int | None = None
-    rss_samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=60))
-    cuda_bytes: int | None = None
-    request_limit: int | None = None
-    probe: ProbeRecord = field(default_factory=ProbeRecord)
-    drain_deadline: float | None = None
-    stop_sent: bool = False
-    last_dispatch: float = 0.0
-    kill_timer: Any = None
-    exitcode: int | None = None
-    buffer_socket: Any = None  # our end of the SEQPACKET pair that carries buffer descriptors
-    buffers: set = field(default_factory=set)  # tokens whose descriptors this worker holds
-    authenticated: bool = False  # presented its spawn secret (supervisor.workerauth)
-    pool: Any = None  # the ModelPool that launched it, and owns it for its whole life
+    """Compiled, an extension type whose fields are C slots (handle.pxd): the request path reads
+    a worker's state, what it holds in flight and when it was last used, on every request."""
+
+    def __init__(self, spec: "WorkerSpec", process: Any, pid: int, sentinel: int,
+                 started_at: float, on_state: Callable | None = None,
+                 state: WorkerState = WorkerState.STARTING, last_seen: float = 0.0,
+                 buffer_socket: Any = None) -> None:
+        self.spec = spec
+        self.process = process  # multiprocessing.Process (spawn context)
+        self.pid = pid
+        self.sentinel = sentinel
+        self.started_at = started_at
+        self.on_state = on_state  # (handle, old, new): the pool's listener
+        self.state = state
+        self.ready_at = None  # READY (a standby: STANDBY, until it is promoted and READY)
+        self.promoted_at = None  # a standby promoted into a slot: when (monotonic)
+        self.last_seen = last_seen
+        self.inflight = {}  # rid -> Request (probes included)
+        self.served = 0
+        self.errors = 0
+        self.latencies_us = collections.deque(maxlen=LATENCY_WINDOW)
+        self.info = {}  # what the worker reported: threads, cores, device
+        self.failure = None  # the worker's own account of why it could not start
+        self.retiring = None  # why it is being replaced, once a replacement is under way
+        self.rss_bytes = None
+        self.rss_samples = collections.deque(maxlen=60)
+        self.cuda_bytes = None
+        self.request_limit = None
+        self.probe = ProbeRecord()
+        self.drain_deadline = None
+        self.stop_sent = False
+        self.last_dispatch = 0.0
+        self.kill_timer = None
+        self.exitcode = None
+        self.buffer_socket = buffer_socket  # our end of the SEQPACKET pair that carries buffer descriptors
+        self.buffers = set()  # tokens whose descriptors this worker holds
+        self.authenticated = False  # presented its spawn secret (supervisor.workerauth)
+        self.pool = None  # the ModelPool that launched it, and owns it for its whole life
+
+    def __repr__(self) -> str:
+        return f"WorkerHandle({self.spec.worker_id}, pid={self.pid}, {self.state.value})"
 
     @property
     def worker_id(self) -> str:

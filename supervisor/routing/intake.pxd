@@ -1,8 +1,11 @@
 # C types for supervisor/routing/intake.py when Cython compiles it (pure-Python mode).
 
+cimport cython
+
 from modelwarden.shared.protocol cimport reply_route, request_id_of, split_router_message, unpack_header
 from modelwarden.shared.sockets cimport send_parts
 from modelwarden.supervisor.routing.limits cimport check_message
+from modelwarden.supervisor.fleet.handle cimport WorkerHandle
 from modelwarden.supervisor.routing.router cimport Router
 
 cdef int _NOBLOCK
@@ -17,4 +20,5 @@ cdef class Intake:
     cpdef client_message(self, Py_ssize_t index, object sock, list frames, object peer,
                          Py_ssize_t max_bytes)
     cpdef drain_workers(self)
+    @cython.locals(handle=WorkerHandle)
     cpdef worker_message(self, list frames)

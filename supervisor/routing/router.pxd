@@ -5,9 +5,10 @@
 cimport cython
 
 from modelwarden.shared.mpack cimport pack_uint
-from modelwarden.shared.protocol cimport (add_timing, frame_lengths_match, parse_infer,
-                                          request_id_of)
+from modelwarden.shared.protocol cimport (Envelope, InferRequest, add_timing,
+                                          frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets cimport send_parts
+from modelwarden.supervisor.fleet.handle cimport WorkerHandle
 from modelwarden.supervisor.routing.deadlines cimport Deadlines
 from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes
 from modelwarden.supervisor.routing.quotas cimport Quotas
@@ -20,32 +21,36 @@ cdef object _READY
 
 
 cdef class Router:
-    cdef public object host, services
-    cdef public dict pending
+    cdef public object host
+    cdef public dict pending, services
+    cdef dict _by_pool
     cdef public list observers
     cdef public Deadlines deadlines
     cdef public RequestBytes request_bytes
     cdef public ReplyLedger replies
     cdef long long _next_rid
 
+    cpdef ModelService service_of(self, object pool)
     cdef object _new_rid(self)
     @cython.locals(request=Request, service=ModelService, queue=object, timeout=cython.double,
-                   nbytes=cython.Py_ssize_t)
-    cpdef accept_infer(self, object socket, object connection, object envelope, dict header,
+                   nbytes=cython.Py_ssize_t, parsed=InferRequest, now=cython.double)
+    cpdef accept_infer(self, object socket, object connection, Envelope envelope, dict header,
                        object identity=*)
+    cpdef tuple _check_regions(self, object frontend, InferRequest parsed)
     @cython.locals(quotas=Quotas)
     cpdef _take_budgets(self, object connection, object identity, Py_ssize_t nbytes)
     cpdef dispatch_wanted(self)
-    @cython.locals(service=ModelService, members=list, now=cython.double)
+    @cython.locals(service=ModelService, members=list, now=cython.double, handle=WorkerHandle,
+                   request=Request)
     cpdef dispatch(self, object pool)
-    cpdef bint _pass_buffers(self, object handle, Request request) except -1
+    cpdef bint _pass_buffers(self, WorkerHandle handle, Request request) except -1
     @cython.locals(parts=list)
-    cpdef _send(self, object handle, Request request, double now)
+    cpdef _send(self, WorkerHandle handle, Request request, double now)
     @cython.locals(parts=list, member=Request)
-    cpdef _send_batch(self, object handle, list members, double now)
-    cpdef on_result(self, object pool, object handle, dict envelope, list frames)
+    cpdef _send_batch(self, WorkerHandle handle, list members, double now)
+    cpdef on_result(self, object pool, WorkerHandle handle, dict envelope, list frames)
     @cython.locals(total_us=cython.longlong, queue_us=cython.longlong)
-    cpdef _relay_result(self, object handle, Request request, dict envelope, list frames)
+    cpdef _relay_result(self, WorkerHandle handle, Request request, dict envelope, list frames)
     cpdef finish(self, Request request, dict reply)
     @cython.locals(parts=list, quotas=Quotas)
     cpdef _answer(self, Request request, object header, list frames=*, str code=*, dict timing=*)
@@ -53,4 +58,4 @@ cdef class Router:
     cpdef expire(self, Request request)
 
 
-cdef _mark_sent(object handle, Request request, int batch_size, double now)
+cdef _mark_sent(WorkerHandle handle, Request request, int batch_size, double now)

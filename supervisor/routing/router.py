@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
-import time
+from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import zmq
@@ -33,7 +33,7 @@ from modelwarden.supervisor.routing.workers import (has_room, least_loaded, need
 from modelwarden.supervisor.fleet.handle import WorkerHandle
 from modelwarden.supervisor.routing.limits import ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.fleet import probes
-from modelwarden.supervisor.routing.service import ModelService, Services
+from modelwarden.supervisor.routing.service import ModelService
 from modelwarden.supervisor.routing.requests import (ProbeRequest, Refused, Request, after_worker_death,
                                              check_declared)
 
@@ -89,7 +89,8 @@ class Router:
     def __init__(self, host: RouterHost) -> None:
         self.host = host
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
-        self.services = Services()  # model name -> its request state (routing/service.py)
+        self.services: dict[str, ModelService] = {}  # model name -> its request state (service_of)
+        self._by_pool: dict = {}  # ModelPool -> its ModelService, until the pool is forgotten
         self._next_rid = 1
         self.deadlines = Deadlines(host.timers, host.clock, self.expire)
         daemon = host.settings.daemon
@@ -99,6 +100,22 @@ class Router:
         # Called once per answered request with (request, code, timing): "ok" or the error
         # code; timing as the client sees it, None for an error. Metrics and the access log.
         self.observers: list = []
+
+    def service_of(self, pool: "ModelPool") -> ModelService:
+        """The model's request state (routing/service.py), made on first use, following the
+        pool's configuration."""
+        service = self._by_pool.get(pool)  # by the pool object itself: no name to hash
+        if service is None:
+            service = self.services.get(pool.name)
+            if service is None:
+                service = self.services[pool.name] = ModelService(pool.name)
+            self._by_pool[pool] = service
+        service.follow(pool.config)
+        return service
+
+    def forget(self, pool: "ModelPool") -> None:
+        """A removed model's pool is gone for good (its last worker left)."""
+        self._by_pool.pop(pool, None)
 
     def _new_rid(self) -> int:
         rid = self._next_rid
@@ -124,8 +141,7 @@ class Router:
             if pool is None:
                 raise ProtocolError(UNKNOWN_MODEL, f"no model named {parsed.model!r}; "
                                     f"configured: {', '.join(host.pools)}")
-            service = self.services[pool.name]
-            service.follow(pool.config)
+            service = self.service_of(pool)
             buffers = self._check_regions(connection[0], parsed)
             if service.inputs is not None:
                 check_declared(parsed.tree, parsed.tensors, service.inputs)
@@ -146,14 +162,14 @@ class Router:
             self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
             if self.observers:
                 refused = Refused(request_id, pool.name if pool is not None else "-",
-                                  time.perf_counter_ns())
+                                  perf_counter_ns())
                 for observe in self.observers:
                     observe(refused, exc.code, None)
             return
         now = host.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else service.timeout
         request = Request(self._new_rid(), socket, envelope.route, parsed.id, pool.name,
-                          envelope.header, payload, time.perf_counter_ns(), now + timeout,
+                          envelope.header, payload, perf_counter_ns(), now + timeout,
                           connection, nbytes, buffers, identity)
         request.timeout = timeout
         request.arrived = now
@@ -225,11 +241,10 @@ class Router:
                 self.dispatch(pool)
 
     def queued(self, pool: "ModelPool") -> int:
-        return len(self.services[pool.name].queue)
+        return len(self.service_of(pool).queue)
 
     def dispatch(self, pool: "ModelPool") -> None:
-        service = self.services[pool.name]
-        service.follow(pool.config)
+        service = self.service_of(pool)
         queue = service.queue
         if not queue:
             return
@@ -271,8 +286,7 @@ class Router:
 
     def send_due_probes(self, pool: "ModelPool", handles: list[WorkerHandle]) -> None:
         """Probes go out between real requests: to a worker with room whose probe is due."""
-        service = self.services[pool.name]
-        service.follow(pool.config)
+        service = self.service_of(pool)
         if not service.probes:
             return
         now = self.host.clock()
@@ -363,8 +377,7 @@ class Router:
             pool.replace(handle, "out of memory in forward")
         if needs_the_pool(handle):
             pool.after_result(handle)
-        service = self.services[pool.name]
-        service.follow(pool.config)
+        service = self.service_of(pool)
         if service.probes and handle.state is _READY:
             now = self.host.clock()
             if probe_due(handle, now) and has_room(handle, service.max_inflight):
@@ -379,7 +392,7 @@ class Router:
         if request.done:  # it timed out while the worker was busy with it
             return
         if envelope.get("ok"):
-            total_us = (time.perf_counter_ns() - request.received_ns) // 1000
+            total_us = (perf_counter_ns() - request.received_ns) // 1000
             handle.latencies_us.append(total_us)
             queue_us = (request.dispatched_ns - request.received_ns) // 1000
             compute_us, batch = envelope.get("compute_us"), envelope.get("batch", 1)
@@ -460,7 +473,7 @@ class Router:
         where = f"on {request.worker.worker_id}" if request.worker is not None else "in the queue"
         if request.worker is None:
             try:
-                self.services[request.model].queue.remove(request)
+                self.services[request.model].queue.remove(request)  # it was queued: it is there
             except ValueError:
                 pass
         self.fail(request, TIMEOUT, f"no answer within the deadline (request was {where})")
@@ -487,7 +500,7 @@ class Router:
         if retry:
             logger.warning("%s died holding %d request(s); retrying them (rid=%s)", handle.worker_id,
                            len(retry), ",".join(str(request.rid) for request in retry))
-            self.services[pool.name].queue.extendleft(reversed(retry))
+            self.service_of(pool).queue.extendleft(reversed(retry))
         self.dispatch(pool)
 
     @staticmethod
@@ -497,7 +510,7 @@ class Router:
         return f"worker {handle.worker_id} died holding the request (retries are off)"
 
     def fail_queue(self, pool: "ModelPool", code: str, message: str) -> None:
-        queue = self.services[pool.name].queue
+        queue = self.service_of(pool).queue
         while queue:
             request = queue.popleft()
             self.fail(request, code, message)
@@ -512,7 +525,7 @@ class Router:
 def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
     request.worker = handle
     request.batch_size = batch_size
-    request.dispatched_ns = time.perf_counter_ns()
+    request.dispatched_ns = perf_counter_ns()
     handle.inflight[request.rid] = request
     handle.last_dispatch = now
 

@@ -48,11 +48,3 @@ class ModelService:
         self.max_delay_us = config.batching.max_delay_us
         self.handler = config.source.startswith("handler:")
         self.probes = config.probes_enabled
-
-
-class Services(dict):
-    """Model name -> its ModelService, made on first use."""
-
-    def __missing__(self, name):
-        service = self[name] = ModelService(name)
-        return service
