@@ -77,7 +77,7 @@ from modelwarden.shared.protocol import split_reply
 from modelwarden.shared.rawconfig import (ENV_CONFIG, ENV_ENDPOINT, client_runtime_dir, discovered_socket,
                                           frontend_endpoints)
 from modelwarden.client.session import GRACE_S, HELLO_TIMEOUT_S, Reply, Session
-from modelwarden.shared.sockets import recv_parts
+from modelwarden.shared.sockets import Poller, recv_frames
 
 
 # -- finding the daemon -------------------------------------------------------------------------
@@ -108,19 +108,19 @@ class _Connection(Connection):
     def __init__(self, context: zmq.Context, endpoint: str, curve: ClientKeys | None = None) -> None:
         check_ipc_endpoint(endpoint)  # EACCES now, not a timeout later
         super().__init__(context, endpoint, curve)
-        self.poller = zmq.Poller()
-        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller = Poller()
+        self.poller.register(self.socket)
 
     def replace(self) -> None:
         self.poller.unregister(self.socket)
         super().replace()
-        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.socket)
 
     def receive(self, timeout_s: float) -> tuple[dict, list] | None:
         """One reply, or None when nothing came within the timeout."""
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
-        return split_reply(recv_parts(self.socket))
+        return split_reply(recv_frames(self.socket))
 
     def __del__(self) -> None:
         # The thread that owned this connection has ended (its threading.local is gone): its
@@ -337,14 +337,14 @@ class _IOThread(threading.Thread):
 
     def run(self) -> None:
         self.connection = connection = _Connection(self.context, self.endpoint, self.curve)
-        connection.poller.register(self._wake_read, zmq.POLLIN)
+        connection.poller.register(self._wake_read)
         try:
             while not self._stopping:
                 timeout = self._next_deadline()
-                events = dict(connection.poller.poll(timeout))
-                if self._wake_read in events:
+                ready = connection.poller.poll(timeout)
+                if self._wake_read in ready:
                     self._take_inbox(connection)
-                if connection.socket in events:
+                if connection.socket in ready:
                     self._take_reply(connection)
                 self._expire()
         finally:
@@ -389,7 +389,7 @@ class _IOThread(threading.Thread):
     def _take_reply(self, connection: _Connection) -> None:
         # One message per readiness: the poll is level-triggered, the next pass takes the rest.
         try:
-            header, payload = split_reply(recv_parts(connection.socket))
+            header, payload = split_reply(recv_frames(connection.socket))
         except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
             return
         entry = self.waiting.pop(header.get("id"), None)
@@ -544,7 +544,9 @@ class AsyncClient:
         if socket.closed:
             return
         while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = recv_parts(socket, zmq.DONTWAIT)
+            frames = recv_frames(socket, zmq.DONTWAIT)
+            if frames is None:
+                break
             try:
                 header, payload = split_reply(frames)
             except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it

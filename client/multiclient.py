@@ -52,7 +52,7 @@ from modelwarden.shared.errors import Poison, RemoteError, Timeout
 from modelwarden.client.ipcaccess import check_ipc_endpoint
 from modelwarden.shared.protocol import SIGNATURE, split_reply
 from modelwarden.client.session import GRACE_S, HELLO_TIMEOUT_S, Pending, Session
-from modelwarden.shared.sockets import recv_parts
+from modelwarden.shared.sockets import recv_frames
 
 logger = logging.getLogger(__name__)
 
@@ -344,9 +344,8 @@ class _BalancingThread(threading.Thread):
 
     def _take_replies(self, link: _Link) -> None:
         while True:
-            try:
-                frames = recv_parts(link.socket, zmq.NOBLOCK)
-            except zmq.Again:
+            frames = recv_frames(link.socket, zmq.NOBLOCK)
+            if frames is None:
                 return
             try:
                 header, payload = split_reply(frames)

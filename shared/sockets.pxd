@@ -25,6 +25,7 @@ cdef extern from *:
     static int (*mw_zmq_msg_recv)(mw_msg_t *, void *, int);
     static int (*mw_zmq_msg_close)(mw_msg_t *);
     static int (*mw_zmq_msg_copy)(mw_msg_t *, mw_msg_t *);
+    static int (*mw_zmq_msg_move)(mw_msg_t *, mw_msg_t *);
     static void *(*mw_zmq_msg_data)(mw_msg_t *);
     static size_t (*mw_zmq_msg_size)(mw_msg_t *);
     static int (*mw_zmq_msg_more)(mw_msg_t *);
@@ -40,7 +41,8 @@ cdef extern from *:
         if (module == NULL) return -1;
     #define MW_BIND(name) *(void **)(&mw_##name) = dlsym(module, #name); if (!mw_##name) goto missing;
         MW_BIND(zmq_msg_init) MW_BIND(zmq_msg_init_size) MW_BIND(zmq_msg_send)
-        MW_BIND(zmq_msg_recv) MW_BIND(zmq_msg_close) MW_BIND(zmq_msg_copy) MW_BIND(zmq_msg_data)
+        MW_BIND(zmq_msg_recv) MW_BIND(zmq_msg_close) MW_BIND(zmq_msg_copy) MW_BIND(zmq_msg_move)
+        MW_BIND(zmq_msg_data)
         MW_BIND(zmq_msg_size) MW_BIND(zmq_msg_more) MW_BIND(zmq_msg_gets) MW_BIND(zmq_errno)
         MW_BIND(zmq_poll)
     #undef MW_BIND
@@ -65,6 +67,7 @@ cdef extern from *:
     int zmq_msg_recv "mw_zmq_msg_recv"(mw_msg_t *, void *, int)
     int zmq_msg_close "mw_zmq_msg_close"(mw_msg_t *)
     int zmq_msg_copy "mw_zmq_msg_copy"(mw_msg_t *, mw_msg_t *)
+    int zmq_msg_move "mw_zmq_msg_move"(mw_msg_t *, mw_msg_t *)
     void *zmq_msg_data "mw_zmq_msg_data"(mw_msg_t *)
     size_t zmq_msg_size "mw_zmq_msg_size"(mw_msg_t *)
     int zmq_msg_more "mw_zmq_msg_more"(mw_msg_t *)
@@ -87,6 +90,7 @@ cdef class Poller:
 cdef class Part:
     cdef mw_msg_t msg
     cdef Py_ssize_t size
+    cdef bint writable
 
 
 cdef int _SNDMORE, _NOBLOCK, _POLLIN, _EAGAIN, _EINTR
@@ -94,6 +98,6 @@ cdef Py_ssize_t _COPY_BELOW
 
 cpdef send_parts(object socket, list parts)
 cdef object _handle(object socket)
-cdef object _recv_c(object socket, int flags, object prop)
+cdef object _recv_c(object socket, int flags, object prop, bint writable)
 cdef bint _send_c(object socket, list parts, int first_flags) except -1
 cdef int _sent_now(mw_msg_t *msg, void *handle, int flags) except -1

@@ -75,7 +75,7 @@ def recv_message(socket, flags=0):
     """One multipart message, its parts below COPY_BELOW bytes as bytes and larger ones zero-copy;
     None when ``flags`` has NOBLOCK and nothing is waiting."""
     if COMPILED:
-        return _recv_c(socket, flags, None)
+        return _recv_c(socket, flags, None, 0)
     return _recv_py(socket, flags, None)
 
 
@@ -83,8 +83,21 @@ def recv_routed(socket, prop):
     """The next waiting message (NOBLOCK) and the message property ``prop`` libzmq attached
     (``"Peer-Address"``, ``"User-Id"``), "" when it has none; None when nothing is waiting."""
     if COMPILED:
-        return _recv_c(socket, _NOBLOCK, prop.encode())
+        return _recv_c(socket, _NOBLOCK, prop.encode(), 0)
     return _recv_py(socket, _NOBLOCK, prop)
+
+
+def recv_frames(socket, flags=0):
+    """One multipart message for a process that may write into what it receives (a client's
+    reply tensors, a worker's input tensors): every part a writable buffer that stays where
+    libzmq put it, with ``.buffer``, ``.bytes`` and ``len()`` -- compiled a ``Part``,
+    uncompiled a ``zmq.Frame``. None when ``flags`` has NOBLOCK and nothing is waiting."""
+    if COMPILED:
+        return _recv_c(socket, flags, None, 1)
+    try:
+        return recv_parts(socket, flags)
+    except zmq.Again:
+        return None
 
 
 def recv_parts(socket, flags=0):
@@ -120,7 +133,9 @@ def _recv_py(socket, flags, prop):
 # -- compiled only: libzmq called directly (declarations in sockets.pxd) -----------------------
 
 class Part:
-    """A received part of COPY_BELOW bytes or more, left where libzmq put it (compiled only)."""
+    """A received part left where libzmq put it (compiled only): one of COPY_BELOW bytes or
+    more, read-only, or any part ``recv_frames`` received, writable (no other message shares
+    its memory: libzmq delivered it to this process alone)."""
 
     def __dealloc__(self):
         zmq_msg_close(cython.address(self.msg))
@@ -129,7 +144,8 @@ class Part:
         return self.size
 
     def __getbuffer__(self, buffer: cython.pointer(Py_buffer), flags: cython.int):
-        PyBuffer_FillInfo(buffer, self, zmq_msg_data(cython.address(self.msg)), self.size, 1, flags)
+        PyBuffer_FillInfo(buffer, self, zmq_msg_data(cython.address(self.msg)), self.size,
+                          0 if self.writable else 1, flags)
 
     @property
     def buffer(self):
@@ -148,9 +164,10 @@ def _handle(socket):
     return socket.underlying
 
 
-def _recv_c(socket, flags, prop):
+def _recv_c(socket, flags, prop, writable):
     """Every part of the next message; None if NOBLOCK found none. A blocking receive waits in
-    pyzmq's poll (the GIL released, signals seen), then takes the message without waiting."""
+    pyzmq's poll (the GIL released, signals seen), then takes the message without waiting.
+    ``writable``: every part a writable Part, else small ones as bytes and large ones read-only."""
     if not flags & _NOBLOCK:
         while not socket.poll():
             pass
@@ -182,16 +199,16 @@ def _recv_c(socket, flags, prop):
             value = found.decode(errors="replace") if found != cython.NULL else ""
         more = zmq_msg_more(cython.address(msg))
         size = zmq_msg_size(cython.address(msg))
-        if size < _COPY_BELOW:
+        if size < _COPY_BELOW and not writable:
             parts.append(PyBytes_FromStringAndSize(
                 cython.cast(cython.p_char, zmq_msg_data(cython.address(msg))), size))
             zmq_msg_close(cython.address(msg))
         else:
             part = Part.__new__(Part)
             zmq_msg_init(cython.address(part.msg))
-            zmq_msg_copy(cython.address(part.msg), cython.address(msg))  # shares, never copies
-            zmq_msg_close(cython.address(msg))
+            zmq_msg_move(cython.address(part.msg), cython.address(msg))  # the message itself
             part.size = size
+            part.writable = writable
             parts.append(part)
         flags = 0
     return parts if prop is None else (parts, value)

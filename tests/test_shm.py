@@ -310,7 +310,7 @@ def test_a_token_dies_with_the_channel_connection_that_registered_it(daemon):
     supervisor = daemon.process.pid
     connection = RawConnection(daemon.endpoint)
     assert connection.request({"type": "hello"})["ok"]  # connected: its socket counts from here
-    before = fd_count(supervisor)
+    before = settled_fd_count(supervisor)
     segment = shm.create_segment(64 * 1024)
     channel = RawChannel(daemon.channel)
     try:
@@ -402,6 +402,16 @@ def fds_are(pid: int, count: int) -> None:
                message=f"{count} descriptors open in {pid} (now {fd_count(pid)})")
 
 
+def settled_fd_count(pid: int) -> int:
+    """The supervisor's descriptors once the count has held for half a second: a daemon just
+    started may still hold a worker's spawn pipe, closed a moment later."""
+    counts: list[int] = []
+    poll_until(lambda: counts.append(fd_count(pid)) or (len(counts) >= 10
+                                                      and len(set(counts[-10:])) == 1),
+               30, message=f"a steady descriptor count in {pid} (last {counts[-10:]})")
+    return counts[-1]
+
+
 def unsealed_memfd() -> int:
     fd = os.memfd_create("modelwarden", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, 65536)
@@ -443,7 +453,7 @@ NOT_BUFFERS = {"regular file": regular_file, "unsealed memfd": unsealed_memfd,
 @pytest.mark.parametrize("kind", sorted(NOT_BUFFERS))
 def test_descriptors_that_are_not_sealed_memfds_are_refused(daemon, kind):
     supervisor = daemon.process.pid
-    before = fd_count(supervisor)
+    before = settled_fd_count(supervisor)
     good = shm.create_segment(64 * 1024)
     bad_fd = NOT_BUFFERS[kind]()
     channel = RawChannel(daemon.channel)
@@ -462,7 +472,7 @@ def test_descriptors_that_are_not_sealed_memfds_are_refused(daemon, kind):
 
 def test_too_many_descriptors_and_garbage_leak_nothing(daemon):
     supervisor = daemon.process.pid
-    before = fd_count(supervisor)
+    before = settled_fd_count(supervisor)
     segment = shm.create_segment(64 * 1024)
     channel = RawChannel(daemon.channel)
     try:
@@ -492,7 +502,7 @@ def test_too_many_descriptors_and_garbage_leak_nothing(daemon):
 
 def test_a_connection_may_register_only_so_many_buffers(daemon):
     supervisor = daemon.process.pid
-    before = fd_count(supervisor)
+    before = settled_fd_count(supervisor)
     segment = shm.create_segment(64 * 1024)
     channel = RawChannel(daemon.channel)
     try:

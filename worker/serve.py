@@ -33,7 +33,7 @@ from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite,
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
 from modelwarden.shared.shm import ALIGN, Segment
-from modelwarden.shared.sockets import recv_parts, send_parts
+from modelwarden.shared.sockets import Poller, recv_frames, send_parts
 from modelwarden.shared.states import EXIT_OK, EXIT_ORPHANED
 from modelwarden.worker.hostpin import HostPinner
 from modelwarden.worker.pipeline import Member, Outputs, Pipeline
@@ -89,28 +89,28 @@ class WorkerServer:
             return self._loop()
 
     def _loop(self) -> int:
-        poller = zmq.Poller()
-        poller.register(self.link.socket, zmq.POLLIN)
+        poller = Poller()
+        poller.register(self.link.socket)
         if self.parent_sentinel is not None:
-            poller.register(self.parent_sentinel, zmq.POLLIN)
+            poller.register(self.parent_sentinel)
         pair = self.segments.pair.fileno() if self.segments.pair is not None else None
         if pair is not None:
-            poller.register(pair, zmq.POLLIN)
+            poller.register(pair)
         interval = self.spec.heartbeat_interval
         next_beat = time.monotonic()
         while True:
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
-            events = dict(poller.poll(timeout_ms))
-            if self.parent_sentinel is not None and self.parent_sentinel in events:
+            ready = poller.poll(timeout_ms)
+            if self.parent_sentinel is not None and self.parent_sentinel in ready:
                 logger.error("supervisor is gone; leaving")
                 return EXIT_ORPHANED
-            if pair is not None and pair in events:
+            if pair is not None and pair in ready:
                 self.segments.drain()
                 if self.segments.pair is None:  # closed: it would poll readable forever
                     poller.unregister(pair)
                     pair = None
-            if self.link.socket in events:
-                code = self._handle(recv_parts(self.link.socket))
+            if self.link.socket in ready:
+                code = self._handle(recv_frames(self.link.socket))
                 if code is not None:
                     return code
             if time.monotonic() >= next_beat:
