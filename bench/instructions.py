@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -32,6 +35,7 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import torch
 import zmq
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,6 +189,52 @@ def supervisor(workdir: Path, tree: Path, batching: dict | None, requests: int) 
         serving.stop_process(daemon)
 
 
+# -- a client's side of a 1 KiB round trip ------------------------------------------------------
+
+CLIENT = """
+import os, subprocess, sys
+import torch
+from modelwarden.client.client import Client
+endpoint, warmup, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+def control(*args):
+    subprocess.run(["callgrind_control", *args, str(os.getpid())], check=True, capture_output=True)
+
+x = torch.randn(256)  # 1 KiB of float32
+with Client(endpoint) as client:
+    for _ in range(warmup):
+        client.infer("w1", x)
+    control("-i", "on")
+    for _ in range(count):
+        client.infer("w1", x)
+    control("-d")
+    control("-i", "off")
+"""
+
+
+def client(workdir: Path, tree: Path, requests: int) -> int:
+    """Instructions per sequential 1 KiB round trip in a client process of ``tree``, against a
+    daemon of the same tree (running natively): the client's codec, its sockets, its poll."""
+    from bench import serving
+
+    workloads = serving.make_workloads(["W1"])
+    workload = dataclasses.replace(workloads["W1"], inputs=[torch.randn(256)], kind="identity",
+                                   kwargs={})
+    runtime = workdir / "client" / tree.name
+    runtime.mkdir(parents=True)
+    text = serving.mw_config_text(runtime / "run", {"W1": workload}, None).replace(
+        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
+    daemon, endpoint = serving.start_daemon(runtime, "daemon", text, {"w1": workload}, tree=tree)
+    out = runtime / "client.out"
+    try:
+        subprocess.run([*valgrind(out), sys.executable, "-c", CLIENT, endpoint, str(WARMUP),
+                        str(requests)], cwd=tree, check=True, timeout=1800,
+                       env={**os.environ, "PYTHONPATH": str(tree)})
+        return latest_count(out) // requests
+    finally:
+        serving.stop_process(daemon)
+
+
 def hottest(dump: Path, requests: int, top: int) -> list[tuple[int, str]]:
     """The compiled functions (and libzmq's, libpython's) with the most inclusive instructions."""
     text = subprocess.run(["callgrind_annotate", "--inclusive=yes", str(dump)],
@@ -201,12 +251,18 @@ def hottest(dump: Path, requests: int, top: int) -> list[tuple[int, str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--client-requests", type=int, default=1000)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--skip-uncompiled", action="store_true")
+    parser.add_argument("--against", type=Path,
+                        help="another checkout (compiled in place), measured side by side: the "
+                             "commit before a change, for its ratio")
+    parser.add_argument("--json", type=Path, help="write the rows and the targets here")
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         print("valgrind is not installed (apt-get install valgrind): nothing measured")
         return 1
+    from bench.machine import command, machine
     from modelwarden import compiled
     from modelwarden.testing import copy_checkout
 
@@ -218,28 +274,69 @@ def main() -> int:
     elif not args.skip_uncompiled:
         copy_checkout(ROOT, workdir / "uncompiled")
         trees["uncompiled"] = workdir / "uncompiled"
-    base = floor(workdir, args.requests)
-    print(f"{'row':<42}{'instructions/request':>22}{'x floor':>9}")
-    print(f"{'floor: C zmq.proxy, 1 KiB, 8 in flight':<42}{base:>22,}{1.0:>9.2f}")
-    results = {}
+    if args.against is not None:
+        trees["against"] = args.against.resolve()
+    rows = {"floor": floor(workdir, args.requests)}
+    base = rows["floor"]
+    print(f"{'row':<50}{'instructions/request':>22}{'x floor':>9}")
+    print(f"{'floor: C zmq.proxy, 1 KiB, 8 in flight':<50}{base:>22,}{1.0:>9.2f}")
     for batching in (None, {"max_size": 16, "max_delay_us": 0}):
         for kind, tree in trees.items():
-            count = supervisor(workdir, tree, batching, args.requests)
-            results[(kind, bool(batching))] = count
-            label = f"supervisor W1@{IN_FLIGHT}, batching {'on' if batching else 'off'}, {kind}"
-            print(f"{label:<42}{count:>22,}{count / base:>9.2f}")
-    for on in (False, True):
-        if ("uncompiled", on) in results and ("compiled", on) in results:
-            ratio = results[("compiled", on)] / results[("uncompiled", on)]
-            print(f"compiled / uncompiled, batching {'on' if on else 'off'}: {ratio:.2f}")
+            key = f"supervisor batching {'on' if batching else 'off'}, {kind}"
+            rows[key] = supervisor(workdir, tree, batching, args.requests)
+            print(f"{'supervisor W1@' + str(IN_FLIGHT) + ', ' + key[11:]:<50}{rows[key]:>22,}"
+                  f"{rows[key] / base:>9.2f}")
+    for kind, tree in trees.items():
+        key = f"client, {kind}"
+        rows[key] = client(workdir, tree, args.client_requests)
+        print(f"{'client, 1 KiB round trip, ' + kind:<50}{rows[key]:>22,}")
+    report = targets(rows)
+    print()
+    for row in report:
+        print(f"{'MET ' if row['met'] else 'MISS'} {row['target']:58s} {row['value']:.2f} "
+              f"(target {row['op']} {row['bound']})")
     if "compiled" in trees:
         dumps = sorted((workdir / "off" / ROOT.name).glob("supervisor.out.*"))
         if dumps:
             print("\nwhere the compiled supervisor's instructions go (batching off, inclusive, per request):")
             for count, name in hottest(dumps[-1], args.requests, args.top):
                 print(f"{count:>10,}  {name}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": machine(), "command": command(),
+                                         "requests": args.requests, "in_flight": IN_FLIGHT,
+                                         "rows": rows, "targets": report}, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def targets(rows: dict) -> list[dict]:
+    """Issue 24's targets that instruction counts can state, each as a ratio within this run."""
+    out = []
+
+    def check(target: str, value: float | None, op: str, bound: float) -> None:
+        if value is not None:
+            met = value <= bound if op == "<=" else value >= bound
+            out.append({"target": target, "value": round(value, 3), "op": op, "bound": bound,
+                        "met": met})
+
+    floor_count = rows["floor"]
+    for on, bound in (("off", 2.5), ("on", 1.5)):
+        ours = rows.get(f"supervisor batching {on}, compiled")
+        check(f"supervisor W1@{IN_FLIGHT}, batching {on} / C proxy floor",
+              ours / floor_count if ours else None, "<=", bound)
+        for other in ("uncompiled", "against"):
+            theirs = rows.get(f"supervisor batching {on}, {other}")
+            if ours and theirs:
+                check(f"supervisor W1@{IN_FLIGHT}, batching {on}: compiled / {other}",
+                      ours / theirs, "<=", 1.0)
+    ours = rows.get("client, compiled")
+    for other in ("uncompiled", "against"):
+        theirs = rows.get(f"client, {other}")
+        if ours and theirs:
+            check(f"client, 1 KiB round trip: compiled / {other}", ours / theirs, "<=", 0.4)
+    return out
 
 
 if __name__ == "__main__":

@@ -39,6 +39,15 @@ cdef class _Reader:
     cdef dict map(self, Py_ssize_t size, int depth)
 
 
+@cython.locals(reader=_Reader, size=cython.Py_ssize_t, code=cython.int, start=cython.Py_ssize_t)
+cpdef object value_span(object data, object key)
+
+@cython.locals(reader=_Reader)
+cpdef object read_at(bytes data, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_str)
+
+@cython.locals(end=cython.Py_ssize_t, code=cython.int, size=cython.Py_ssize_t)
+cpdef Py_ssize_t value_end(bytes data, Py_ssize_t start, Py_ssize_t limit) except? -2
+
 @cython.locals(reader=_Reader)
 cpdef object unpack(object data, bint strict, Py_ssize_t max_str, Py_ssize_t max_bin,
                     Py_ssize_t max_len)

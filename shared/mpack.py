@@ -73,6 +73,78 @@ def unpack(data, strict, max_str, max_bin, max_len):
     return value
 
 
+def value_span(data, key):
+    """(start, end) of the value of ``key`` in the map ``data`` holds (msgpack this module
+    accepted), or None when the map has no such key: where a header's ``id`` lies."""
+    reader = _Reader(bytes(data), False, len(data), len(data), len(data))
+    if not reader.pos < reader.end:
+        return None
+    code = reader.data[0]
+    if 0x80 <= code <= 0x8F:
+        size = code & 0x0F
+        reader.pos = 1
+    elif code == 0xDE:
+        reader.pos = 1
+        size = reader.uint(2)
+    elif code == 0xDF:
+        reader.pos = 1
+        size = reader.uint(4)
+    else:
+        return None
+    for _ in range(size):
+        if reader.read(1) == key:
+            start = reader.pos
+            reader.read(1)
+            return start, reader.pos
+        reader.read(1)
+    return None
+
+
+def read_at(data, start, end, max_str):
+    """The one value that ``data[start:end]`` holds, exactly: None if those bytes are not one
+    msgpack value (the caller then parses the whole message, and reports what is wrong)."""
+    reader = _Reader(data, True, max_str, 0, 0)
+    reader.pos = start
+    reader.end = end
+    try:
+        value = reader.read(0)
+    except Malformed:
+        return None
+    return value if reader.pos == end else None
+
+
+def value_end(data, start, limit):
+    """Where the msgpack value at ``start`` of ``data`` ends if it is a str (at most ``limit``
+    bytes long) or an int; -1 for anything else (or for bytes that end first)."""
+    end = len(data)
+    if start >= end:
+        return -1
+    code = data[start]
+    if code <= 0x7F or code >= 0xE0:
+        return start + 1
+    if 0xA0 <= code <= 0xBF:
+        size = code & 0x1F
+        start += 1
+    elif code == 0xD9:
+        if start + 2 > end:
+            return -1
+        size = data[start + 1]
+        start += 2
+    elif code == 0xCC or code == 0xD0:
+        return start + 2 if start + 2 <= end else -1
+    elif code == 0xCD or code == 0xD1:
+        return start + 3 if start + 3 <= end else -1
+    elif code == 0xCE or code == 0xD2:
+        return start + 5 if start + 5 <= end else -1
+    elif code == 0xCF or code == 0xD3:
+        return start + 9 if start + 9 <= end else -1
+    else:
+        return -1
+    if size > limit or start + size > end:
+        return -1
+    return start + size
+
+
 class _Reader:
     """One pass over one message; ``pos`` is the next byte to read."""
 

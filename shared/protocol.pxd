@@ -4,12 +4,15 @@
 
 cimport cython
 
-from modelwarden.shared.mpack cimport pack as pack_value, pack_uint, unpack as read_msgpack
+from modelwarden.shared.mpack cimport (pack as pack_value, pack_uint, read_at, unpack as read_msgpack,
+                                      value_end, value_span)
 
 cdef list _FIXMAPS
 cdef bytes _TIMING_KEY, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY
 cdef Py_ssize_t _MAX_STR, _MAX_BIN, _MAX_ENTRIES
 cdef list _TENSOR_NAMES
+cdef dict _DTYPES
+cdef object _ABSENT
 
 
 cdef class Envelope:
@@ -21,12 +24,24 @@ cdef class InferRequest:
     cpdef set buffers(self)
 
 
+cdef class InferCache:
+    cdef public Py_ssize_t size, count
+    cdef public dict groups
+    cdef public list lengths
+
+    @cython.locals(length=cython.Py_ssize_t, end=cython.Py_ssize_t, tail=cython.Py_ssize_t,
+                   group=list, suffix=bytes, inline=cython.Py_ssize_t, parsed=InferRequest)
+    cpdef InferRequest parse(self, object header, Py_ssize_t n_frames)
+    cpdef learn(self, object header, InferRequest parsed, Py_ssize_t n_frames)
+
+
 cpdef object unpack_header(object buf, bint strict=*)
 @cython.locals(route=list, body=list)
 cpdef Envelope split_router_message(object frames)
 cpdef list reply_route(object frames)
 cpdef bint _is_int(object value)
 cpdef object request_id_of(dict header)
+cpdef object usable_id(object rid)
 cpdef object require_id(dict header)
 cpdef object require_str(dict header, object key, Py_ssize_t max_bytes=*)
 cpdef object require_uint(object value, object what, object limit=*)
@@ -34,6 +49,7 @@ cpdef object _desc(object dtype, object shape, object nbytes, object frame, obje
 cpdef object tensor_nbytes(object dtype, object shape)
 cpdef tuple parse_shape(object value, object what)
 cpdef tuple parse_region(object value, object what)
+@cython.locals(fields=dict, elements=cython.bint)
 cpdef object parse_tensor_desc(object value, Py_ssize_t index, Py_ssize_t next_frame)
 @cython.locals(descs=list, next_frame=cython.Py_ssize_t, index=cython.Py_ssize_t)
 cpdef list parse_tensors(object value)

@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 import modelwarden.shared.mpack as mpack
-from modelwarden.shared.mpack import pack as pack_value, pack_uint, unpack as read_msgpack
+from modelwarden.shared.mpack import (pack as pack_value, pack_uint, read_at, unpack as read_msgpack,
+                                     value_end, value_span)
 
 SIGNATURE = b"MWP1"
 PROTOCOL_VERSION = 1
@@ -258,7 +259,12 @@ def _is_int(value: Any) -> bool:
 
 def request_id_of(header: dict) -> Any:
     """The client's id if it is usable, else None (replies still go out, with a null id)."""
-    rid = header.get("id")
+    return usable_id(header.get("id"))
+
+
+def usable_id(rid: Any) -> Any:
+    """``rid`` if it is an id a reply may echo (an int64, or a str of at most MAX_ID_BYTES),
+    else None."""
     if _is_int(rid) and -MAX_INT <= rid <= MAX_INT:
         return rid
     if isinstance(rid, str) and (len(rid) * 4 <= MAX_ID_BYTES or len(rid.encode()) <= MAX_ID_BYTES):
@@ -350,30 +356,35 @@ def parse_region(value: Any, what: str) -> tuple[str, int, int]:
 
 
 _TENSOR_NAMES = [f"tensor {index}" for index in range(MAX_TENSORS)]  # made once, not per tensor
+_DTYPES = DTYPES
+_ABSENT = object()  # a key not in a map (None is a value a map may hold)
 
 
 def parse_tensor_desc(value: Any, index: int, next_frame: int) -> TensorDesc:
     what = _TENSOR_NAMES[index] if 0 <= index < MAX_TENSORS else f"tensor {index}"
     if not isinstance(value, dict):
         raise bad(f"{what}: descriptor must be a map")
-    dtype = value.get("dtype")
-    if not isinstance(dtype, str) or (dtype not in DTYPES and dtype not in ELEMENT_TYPES):
+    fields = value  # a dict from here on (protocol.pxd types it: its lookups are C calls)
+    dtype = fields.get("dtype")
+    elements = dtype in ELEMENT_TYPES
+    if not isinstance(dtype, str) or (dtype not in _DTYPES and not elements):
         raise bad(f"{what}: unknown dtype {str(dtype)[:32]!r}; known: "
                   f"{', '.join((*DTYPES, *ELEMENT_TYPES))}")
-    shape = parse_shape(value.get("shape"), what)
+    shape = parse_shape(fields.get("shape"), what)
     longest = None
-    if dtype in ELEMENT_TYPES:
-        nbytes, longest = element_sizes(value, shape, what)
+    if elements:
+        nbytes, longest = element_sizes(fields, shape, what)
     else:
         nbytes = tensor_nbytes(dtype, shape)
-    has_frame, has_shm = "frame" in value, "shm" in value
-    if has_frame == has_shm:
+    frame = fields.get("frame", _ABSENT)
+    shm = fields.get("shm", _ABSENT)
+    if (frame is _ABSENT) == (shm is _ABSENT):
         raise bad(f"{what}: exactly one of 'frame' and 'shm' is required")
-    if has_frame:
-        if value["frame"] != next_frame or not _is_int(value["frame"]):
+    if frame is not _ABSENT:
+        if frame != next_frame or not _is_int(frame):
             raise bad(f"{what}: inline tensors must number their frames 0, 1, 2... in order")
         return _desc(dtype, shape, nbytes, next_frame, None, longest)
-    region = parse_region(value["shm"], what)
+    region = parse_region(shm, what)
     if region[2] != nbytes:
         raise bad(f"{what}: region holds {region[2]} bytes but {_needs(dtype)} needs {nbytes}")
     return _desc(dtype, shape, nbytes, None, region, longest)
@@ -499,6 +510,78 @@ def parse_infer(header: dict, n_frames: int) -> InferRequest:
     if out is not None:
         out = parse_region(out, "'out'")
     return InferRequest(rid, model, header.get("inputs"), tensors, timeout_ms, out)
+
+
+class InferCache:
+    """``parse_infer(unpack_header(header), n_frames)`` remembered for the headers it was worked
+    out for, but for their ``id``. A client sends the same header again and again but for its id
+    (the same model, the same shapes, the same timeout), and the parse is a function of the
+    header's bytes alone: a header equal byte for byte to one parsed before, but for the bytes of
+    its id's value, parses to what that one did, with its own id. So a header is looked up by the
+    bytes before its id (``prefix``), its id is read (an int or a str, checked as
+    ``request_id_of`` checks it), and the bytes after must be the remembered ``suffix``. Anything
+    else -- a header never seen, an id that is not a usable one, another frame count -- is not
+    found, and the full parse reads it (and refuses it, saying why).
+
+    Bounded: at most ``size`` headers of at most ``LONGEST`` bytes; past that it starts afresh
+    (a peer sending ever new headers only keeps the cache from helping)."""
+
+    LONGEST = 4096
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self.groups: dict = {}  # prefix -> [(suffix, inline frames, InferRequest)]
+        self.lengths: list = []  # the distinct prefix lengths, fewest bytes first
+        self.count = 0
+
+    def parse(self, header, n_frames: int) -> "InferRequest | None":
+        if type(header) is not bytes or not self.count:
+            return None
+        for length in self.lengths:
+            group = self.groups.get(header[:length])
+            if group is None:
+                continue
+            end = value_end(header, length, MAX_ID_BYTES)
+            if end < 0:
+                return None
+            tail = len(header) - end
+            for suffix, inline, parsed in group:
+                if len(suffix) == tail and header.endswith(suffix):
+                    if inline != n_frames:
+                        return None
+                    rid = usable_id(read_at(header, length, end, MAX_ID_BYTES))
+                    if rid is None:
+                        return None
+                    return InferRequest(rid, parsed.model, parsed.tree, parsed.tensors,
+                                        parsed.timeout_ms, parsed.out)
+            return None
+        return None
+
+    def learn(self, header, parsed: "InferRequest", n_frames: int) -> None:
+        """Remember ``parsed``, which the full parse made of ``header`` and ``n_frames``."""
+        if type(header) is not bytes or len(header) > self.LONGEST:
+            return
+        span = value_span(header, "id")
+        if span is None:
+            return
+        prefix, suffix = header[:span[0]], header[span[1]:]
+        group = self.groups.get(prefix)
+        if group is not None:
+            for entry in group:
+                if entry[0] == suffix:
+                    return
+        if self.count >= self.size:
+            self.groups.clear()
+            self.lengths.clear()
+            self.count = 0
+            group = None
+        if group is None:
+            group = self.groups[prefix] = []
+            if len(prefix) not in self.lengths:
+                self.lengths.append(len(prefix))
+                self.lengths.sort()
+        group.append((suffix, n_frames, parsed))
+        self.count += 1
 
 
 def frame_lengths_match(tensors: list[TensorDesc], payload: list) -> None:

@@ -5,7 +5,8 @@
 # dlsym on pyzmq's own loaded module: mw_bind_libzmq): one libzmq in the process, no zmq.h at
 # build time, no link to a library whose name a wheel's repair step renames.
 
-from cpython.buffer cimport Py_buffer, PyBuffer_FillInfo
+from cpython.buffer cimport (PyBUF_SIMPLE, Py_buffer, PyBuffer_FillInfo, PyBuffer_Release,
+                             PyObject_CheckBuffer, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Realloc

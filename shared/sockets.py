@@ -215,9 +215,9 @@ def _recv_c(socket, flags, prop, writable):
 
 
 def _send_c(socket, parts, first_flags):
-    """Each part as a libzmq message: bytes copied (they are small, or were made by us), a Part
-    shared, anything else (a zmq.Frame, a large buffer) through pyzmq, which keeps it alive until
-    libzmq is done with it. libzmq is only ever asked not to wait: a part it cannot queue now
+    """Each part as a libzmq message: bytes and other buffers below COPY_BELOW copied, a Part
+    shared, anything else (a zmq.Frame, a large buffer) through pyzmq, which keeps it alive
+    until libzmq is done with it. libzmq is only ever asked not to wait: a part it cannot queue now
     goes through pyzmq's blocking send, which waits without the GIL and runs signal handlers.
     False if ``first_flags`` has NOBLOCK and the first part was not taken."""
     msg = cython.declare(mw_msg_t)
@@ -228,6 +228,8 @@ def _send_c(socket, parts, first_flags):
     flag = cython.declare(cython.int)
     size = cython.declare(cython.Py_ssize_t)
     sent = cython.declare(cython.int)
+    copied = cython.declare(cython.int)
+    view = cython.declare(Py_buffer)
     for part in parts:
         flag = (_SNDMORE if index < last else 0) | (first_flags if index == 0 else 0)
         sent = 0
@@ -241,6 +243,22 @@ def _send_c(socket, parts, first_flags):
             zmq_msg_init(cython.address(msg))
             zmq_msg_copy(cython.address(msg), cython.address(cython.cast(Part, part).msg))
             sent = _sent_now(cython.address(msg), handle, flag)
+        elif PyObject_CheckBuffer(part):
+            # A small buffer (a tensor's memoryview) is copied, as bytes are; a large one goes
+            # through pyzmq below, which keeps it alive until libzmq has sent it.
+            PyObject_GetBuffer(part, cython.address(view), PyBUF_SIMPLE)
+            try:
+                if view.len < _COPY_BELOW:
+                    if zmq_msg_init_size(cython.address(msg), view.len) < 0:
+                        raise MemoryError()
+                    memcpy(zmq_msg_data(cython.address(msg)), view.buf, view.len)
+                    copied = 1
+                else:
+                    copied = 0
+            finally:
+                PyBuffer_Release(cython.address(view))
+            if copied:
+                sent = _sent_now(cython.address(msg), handle, flag)
         if not sent:
             try:
                 socket.send(part, flag, copy=False)  # a Part is a buffer: still no copy

@@ -604,3 +604,62 @@ def test_an_inline_element_frame_must_hold_nbytes():
     protocol.frame_lengths_match(descs, [b"x" * 27])
     error = rejected(protocol.frame_lengths_match, descs, [b"x" * 26])
     assert "nbytes" in error.message
+
+
+# -- InferCache: the parse of a header seen before, but for its id ------------------------------
+
+
+def _infer_header(rid, **fields) -> bytes:
+    header = {"type": "infer", "id": rid, "model": "m", "inputs": 0,
+              "tensors": [{"dtype": "float32", "shape": [2, 3], "frame": 0}], **fields}
+    return protocol.pack(header)
+
+
+def _same(a, b) -> bool:
+    return (a.id, a.model, a.tree, a.tensors, a.timeout_ms, a.out) == \
+        (b.id, b.model, b.tree, b.tensors, b.timeout_ms, b.out)
+
+
+def test_the_cache_gives_what_the_full_parse_gives_for_every_id():
+    cache = protocol.InferCache()
+    first = _infer_header(1, timeout_ms=500)
+    cache.learn(first, protocol.parse_infer(unpack_header(first), 1), 1)
+    ids = [0, 7, 127, 128, 255, 65535, 2**32, 2**63 - 1, -1, -33, -2**63 + 1, "", "x", "é" * 64]
+    for rid in ids:
+        header = _infer_header(rid, timeout_ms=500)
+        hit = cache.parse(header, 1)
+        assert hit is not None and _same(hit, protocol.parse_infer(unpack_header(header), 1)), rid
+
+
+@pytest.mark.parametrize("header, frames", [
+    (_infer_header(2**63, timeout_ms=500), 1),  # an id the full parse refuses
+    (_infer_header("x" * 129, timeout_ms=500), 1),  # an id too long
+    (_infer_header(True, timeout_ms=500), 1),  # not an int
+    (_infer_header(1.5, timeout_ms=500), 1),
+    (_infer_header([1], timeout_ms=500), 1),
+    (_infer_header(None, timeout_ms=500), 1),
+    (_infer_header(3, timeout_ms=501), 1),  # the same but for another field
+    (_infer_header(3, timeout_ms=500), 2),  # another frame count
+    (_infer_header(3, timeout_ms=500) + b"\x00", 1),  # a byte more
+    (_infer_header(3, timeout_ms=500)[:-1], 1),  # a byte less
+    (_infer_header(3, timeout_ms=500).replace(b"\xa1m", b"\xa1n"), 1),  # another model
+    (memoryview(_infer_header(3, timeout_ms=500)), 1),  # not bytes: never looked up
+])
+def test_the_cache_finds_nothing_the_full_parse_would_not_give_the_same(header, frames):
+    cache = protocol.InferCache()
+    first = _infer_header(1, timeout_ms=500)
+    cache.learn(first, protocol.parse_infer(unpack_header(first), 1), 1)
+    assert cache.parse(header, frames) is None
+
+
+def test_the_cache_is_bounded_and_starts_afresh():
+    cache = protocol.InferCache(size=4)
+    for model in "abcdef":
+        header = protocol.pack({"type": "infer", "id": 1, "model": model, "inputs": 0,
+                                "tensors": [{"dtype": "uint8", "shape": [1], "frame": 0}]})
+        cache.learn(header, protocol.parse_infer(unpack_header(header), 1), 1)
+        assert cache.count <= 4
+    assert cache.count == 2 and cache.parse(header.replace(b"\x01", b"\x02", 1), 1).model == "f"
+    big = _infer_header(1, timeout_ms=500, pad="x" * protocol.InferCache.LONGEST)
+    cache.learn(big, protocol.parse_infer(unpack_header(big), 1), 1)
+    assert cache.parse(big, 1) is None  # too long to remember

@@ -2,7 +2,8 @@
 
 cimport cython
 
-from modelwarden.shared.protocol cimport reply_route, request_id_of, split_router_message, unpack_header
+from modelwarden.shared.protocol cimport (Envelope, InferRequest, reply_route, request_id_of,
+                                          split_router_message, unpack_header)
 from modelwarden.shared.sockets cimport send_parts
 from modelwarden.supervisor.routing.limits cimport check_message
 from modelwarden.supervisor.fleet.handle cimport WorkerHandle
@@ -17,6 +18,7 @@ cdef class Intake:
     cdef public dict workers
 
     cpdef drain_clients(self, Py_ssize_t index)
+    @cython.locals(envelope=Envelope, parsed=InferRequest)
     cpdef client_message(self, Py_ssize_t index, object sock, list frames, object peer,
                          Py_ssize_t max_bytes)
     cpdef drain_workers(self)

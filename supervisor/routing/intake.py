@@ -97,6 +97,14 @@ class Intake:
             return
         try:
             envelope = split_router_message(frames)
+        except ProtocolError as exc:
+            router.send_error(sock, reply_route(frames), None, exc.code, exc.message)
+            return
+        parsed = router.parses.parse(envelope.header, len(envelope.payload))
+        if parsed is not None:  # an infer header seen before, but for its id
+            router.accept_parsed(sock, (index, frames[0]), envelope, parsed, peer)
+            return
+        try:
             header = unpack_header(envelope.header)
         except ProtocolError as exc:
             router.send_error(sock, reply_route(frames), None, exc.code, exc.message)

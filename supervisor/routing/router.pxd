@@ -5,7 +5,7 @@
 cimport cython
 
 from modelwarden.shared.mpack cimport pack_uint
-from modelwarden.shared.protocol cimport (Envelope, InferRequest, add_timing,
+from modelwarden.shared.protocol cimport (Envelope, InferCache, InferRequest, add_timing,
                                           frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets cimport send_parts
 from modelwarden.supervisor.fleet.handle cimport WorkerHandle
@@ -23,6 +23,7 @@ cdef object _READY
 cdef class Router:
     cdef public object host
     cdef public dict pending, services
+    cdef public InferCache parses
     cdef dict _by_pool
     cdef public list observers
     cdef public Deadlines deadlines
@@ -32,10 +33,14 @@ cdef class Router:
 
     cpdef ModelService service_of(self, object pool)
     cdef object _new_rid(self)
-    @cython.locals(request=Request, service=ModelService, queue=object, timeout=cython.double,
-                   nbytes=cython.Py_ssize_t, parsed=InferRequest, now=cython.double)
+    @cython.locals(parsed=InferRequest)
     cpdef accept_infer(self, object socket, object connection, Envelope envelope, dict header,
                        object identity=*)
+    @cython.locals(request=Request, service=ModelService, queue=object, timeout=cython.double,
+                   nbytes=cython.Py_ssize_t, now=cython.double)
+    cpdef accept_parsed(self, object socket, object connection, Envelope envelope,
+                        InferRequest parsed, object identity=*)
+    cpdef _refuse(self, object socket, Envelope envelope, object request_id, object pool, object exc)
     cpdef tuple _check_regions(self, object frontend, InferRequest parsed)
     @cython.locals(quotas=Quotas)
     cpdef _take_budgets(self, object connection, object identity, Py_ssize_t nbytes)

@@ -22,8 +22,8 @@ from modelwarden.shared import fdchannel, protocol
 from modelwarden.shared.mpack import pack_uint
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
                                          SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
-                                         ProtocolError, add_timing, frame_lengths_match,
-                                         parse_infer, request_id_of)
+                                         InferCache, ProtocolError, add_timing,
+                                         frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
 from modelwarden.supervisor.routing import batching
@@ -90,6 +90,7 @@ class Router:
         self.host = host
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
         self.services: dict[str, ModelService] = {}  # model name -> its request state (service_of)
+        self.parses = InferCache()  # infer headers seen before, but for their id
         self._by_pool: dict = {}  # ModelPool -> its ModelService, until the pool is forgotten
         self._next_rid = 1
         self.deadlines = Deadlines(host.timers, host.clock, self.expire)
@@ -128,14 +129,27 @@ class Router:
                      header: dict, identity: str = "-") -> None:
         """``connection`` is (frontend index, routing id); ``identity`` whose shares the request
         counts against (supervisor/routing/identity.py)."""
-        host = self.host
         request_id = request_id_of(header)
+        try:
+            if self.host.stopping:
+                raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
+            parsed = parse_infer(header, len(envelope.payload))
+        except ProtocolError as exc:
+            self._refuse(socket, envelope, request_id, None, exc)
+            return
+        self.parses.learn(envelope.header, parsed, len(envelope.payload))
+        self.accept_parsed(socket, connection, envelope, parsed, identity)
+
+    def accept_parsed(self, socket: zmq.Socket, connection: tuple, envelope: protocol.Envelope,
+                      parsed: protocol.InferRequest, identity: str = "-") -> None:
+        """A request whose header parsed (``parse_infer``, or ``self.parses`` for a header seen
+        before but for its id): everything else it must pass, then the queue."""
+        host = self.host
         pool = None
         try:
             if host.stopping:
                 raise ProtocolError(SHUTTING_DOWN, "the daemon is shutting down")
             payload = envelope.payload
-            parsed = parse_infer(header, len(payload))
             frame_lengths_match(parsed.tensors, payload)
             pool = host.pools.get(parsed.model)
             if pool is None:
@@ -159,12 +173,7 @@ class Router:
             nbytes = payload_bytes(payload)
             self._take_budgets(connection, identity, nbytes)  # last: nothing refuses it after this
         except ProtocolError as exc:
-            self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
-            if self.observers:
-                refused = Refused(request_id, pool.name if pool is not None else "-",
-                                  perf_counter_ns())
-                for observe in self.observers:
-                    observe(refused, exc.code, None)
+            self._refuse(socket, envelope, parsed.id, pool, exc)
             return
         now = host.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else service.timeout
@@ -183,6 +192,15 @@ class Router:
         self.deadlines.add(request, timeout)
         queue.append(request)
         self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
+
+    def _refuse(self, socket, envelope, request_id, pool, exc: ProtocolError) -> None:
+        """Answer a request refused at intake with its typed error (the observers see it)."""
+        self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
+        if self.observers:
+            refused = Refused(request_id, pool.name if pool is not None else "-",
+                              perf_counter_ns())
+            for observe in self.observers:
+                observe(refused, exc.code, None)
 
     def _take_budgets(self, connection: tuple, identity: str, nbytes: int) -> None:
         """The identity's share of requests and bytes, then the connection's and the daemon's

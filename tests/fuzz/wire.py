@@ -24,7 +24,8 @@ summary of what was parsed, or the same error class and message. A difference is
 (the compiled source behaving unlike the source).
 
 Every header frame is also read by msgpack-python, the reference implementation of the format,
-under the same limits: shared/mpack.py must read the same value from it or refuse it too.
+under the same limits: shared/mpack.py must read the same value from it or refuse it too. And
+the supervisor's InferCache must find only what the full parse of a header gives.
 
 The seeds are valid requests and replies of every kind plus the hostile inputs of the
 malformed-input tests: msgpack bombs (huge declared counts, deep nesting), overflowing shapes,
@@ -153,6 +154,31 @@ REFERENCE_LIMITS = dict(max_str_len=OUR_LIMITS[0], max_bin_len=OUR_LIMITS[1],
                         raw=False, strict_map_key=True, use_list=True)
 
 
+def cache_agrees(frames: list[bytes]) -> None:
+    """The supervisor's InferCache (shared/protocol.py) against the full parse it stands for:
+    what it finds for a header, the full parse gives too; what the full parse refuses, it never
+    finds. It learns every header the full parse accepts, so the inputs that follow (the corpus
+    is full of near-copies) are looked up against templates the fuzzer made itself."""
+    if len(frames) < 2:
+        return
+    header, count = frames[1], len(frames) - 2
+    found = CACHE.parse(header, count)
+    try:
+        parsed = protocol.parse_infer(protocol.unpack_header(header), count)
+    except protocol.ProtocolError:
+        if found is not None:
+            raise AssertionError("the cache found a header the full parse refuses") from None
+        return
+    if found is not None and (found.id, found.model, found.tree, found.tensors, found.timeout_ms,
+                              found.out) != (parsed.id, parsed.model, parsed.tree, parsed.tensors,
+                                             parsed.timeout_ms, parsed.out):
+        raise AssertionError("the cache and the full parse disagree")
+    CACHE.learn(header, parsed, count)
+
+
+CACHE = protocol.InferCache()
+
+
 def one_input(data: bytes) -> None:
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
@@ -162,6 +188,7 @@ def one_input(data: bytes) -> None:
             raise AssertionError(f"{reader.__name__}: compiled {compiled!r} but uncompiled {pure!r}")
     for frame in frames[1:2]:  # the header frame
         against_msgpack(frame)
+    cache_agrees(frames)
 
 
 # -- seeds -----------------------------------------------------------------------------------
