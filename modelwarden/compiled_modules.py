@@ -35,10 +35,21 @@ COMPILED: dict[str, str] = {
 
 
 def sources_of(py: Path) -> list[Path]:
-    """What one extension is compiled from: its .py, and the .pxd beside it that gives its names
-    C types (shared/sockets.pxd), if there is one. A build is fresh while both are unchanged."""
-    pxd = py.with_suffix(".pxd")
-    return [py, pxd] if pxd.exists() else [py]
+    """What one extension is compiled from: its .py, and every .pxd of the compiled modules (the
+    one beside it gives its names C types; the others declare the types and functions it may
+    cimport, whose layout its C depends on). A build is fresh while all of them are unchanged."""
+    root = py.resolve().parents[len(Path(COMPILED[_module_of(py)]).parts) - 1]
+    declarations = sorted(pxd for pxd in (root / path for path in COMPILED.values())
+                          for pxd in [pxd.with_suffix(".pxd")] if pxd.exists())
+    return [py, *declarations]
+
+
+def _module_of(py: Path) -> str:
+    """The compiled module whose source ``py`` is (by its path's tail)."""
+    for name, path in COMPILED.items():
+        if py.resolve().as_posix().endswith("/" + path):
+            return name
+    raise KeyError(f"{py} is not a compiled module's source")
 
 
 def source_hash(py: Path) -> str:
@@ -49,4 +60,4 @@ def source_hash(py: Path) -> str:
 
 
 if __name__ == "__main__":  # the Makefile's list of sources to rebuild from
-    print(" ".join(str(path) for py in COMPILED.values() for path in sources_of(Path(py))))
+    print(" ".join(sorted({str(path) for py in COMPILED.values() for path in sources_of(Path(py))})))

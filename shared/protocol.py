@@ -146,6 +146,12 @@ def pack(header: dict) -> bytes:
     return msgpack.packb(header, use_bin_type=True)
 
 
+def packer():
+    """``pack`` for one thread's use alone (a worker's loop): msgpack's Packer made once, not at
+    every call (packb makes one each time); the same bytes."""
+    return msgpack.Packer(use_bin_type=True).pack
+
+
 def add_to_map(packed, key: str, value: Any) -> bytes:
     """A packed map with one more entry, without decoding it: the supervisor adds ``timing`` to
     the reply header a worker wrote. ``key`` must not be in the map already."""
@@ -521,7 +527,8 @@ class InferCache:
     bytes before its id (``prefix``), its id is read (an int or a str, checked as
     ``request_id_of`` checks it), and the bytes after must be the remembered ``suffix``. Anything
     else -- a header never seen, an id that is not a usable one, another frame count -- is not
-    found, and the full parse reads it (and refuses it, saying why).
+    found, and the full parse reads it (and refuses it, saying why). One cache stands for one
+    way of parsing (the supervisor's strict one, a worker's lax one): it learns only from that.
 
     Bounded: at most ``size`` headers of at most ``LONGEST`` bytes; past that it starts afresh
     (a peer sending ever new headers only keeps the cache from helping)."""

@@ -79,6 +79,8 @@ class WorkerServer:
                                     budget=spec.max_mapped_bytes)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.served = 0
+        self.parses = protocol.InferCache()  # client headers seen before but for their id
+        self.pack = protocol.packer()  # this loop's own: made once
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -171,10 +173,17 @@ class WorkerServer:
         """The request decoded and checked, or None once it was answered with its error."""
         client_id = None
         try:
-            header = protocol.unpack_header(frames[0].buffer, strict=False)
-            client_id = header.get("id")
+            payload = frames[1:]
+            raw = frames[0].bytes
+            request = self.parses.parse(raw, len(payload))  # a header seen before but for its id
+            if request is None:
+                header = protocol.unpack_header(raw, strict=False)
+                client_id = header.get("id")
+                request = protocol.parse_infer(header, len(payload))
+                self.parses.learn(raw, request, len(payload))
+            client_id = request.id
             with self._on_stream():
-                return self._decode(rid, client_id, header, frames[1:])
+                return self._decode(rid, request, payload)
         except Exception as exc:
             self._answer_failure(rid, client_id, exc)
             return None
@@ -231,8 +240,8 @@ class WorkerServer:
 
     # -- decoding and answering -------------------------------------------------------------
 
-    def _decode(self, rid: Any, client_id: Any, header: dict, payload: list) -> "Call":
-        request = protocol.parse_infer(header, len(payload))
+    def _decode(self, rid: Any, request: protocol.InferRequest, payload: list) -> "Call":
+        client_id = request.id
         protocol.frame_lengths_match(request.tensors, payload)
         tensors, sources = [], []
         for desc in request.tensors:
@@ -283,7 +292,9 @@ class WorkerServer:
                     "compute_us": compute_us, "batch": batch}
         if call.client_id is None and self.device.type == "cuda":  # the probe: memory after it
             envelope["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
-        send_parts(self.link.socket, [protocol.pack(envelope), protocol.pack(reply), *frames])
+        parts = [self.pack(envelope), self.pack(reply)]
+        parts.extend(frames)
+        send_parts(self.link.socket, parts)
         self.served += 1
 
     def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
@@ -292,7 +303,7 @@ class WorkerServer:
         reply["worker"] = self.spec.worker_id
         reply["version"] = self.spec.version
         envelope = {"type": protocol.RESULT, "rid": rid, "ok": False, "code": code}
-        send_parts(self.link.socket, [protocol.pack(envelope), protocol.pack(reply)])
+        send_parts(self.link.socket, [self.pack(envelope), self.pack(reply)])
         self.served += 1
 
     def _failure_of(self, rid: Any, exc: BaseException) -> tuple[str, str]:
