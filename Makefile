@@ -57,10 +57,12 @@ test-systemd: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/payloads.py
 
-# The supervisor's instructions per request under callgrind (valgrind), compiled and uncompiled,
-# against a C zmq.proxy floor: stable where CPU time on a busy machine is not (about 3 minutes).
+# Instructions per request under callgrind (valgrind): the supervisor's against a C zmq.proxy
+# floor, and a client's per 1 KiB round trip; compiled and uncompiled (and, with
+# ARGS="--against CHECKOUT", another checkout built in place): stable where CPU time on a busy
+# machine is not (about 10 minutes).
 bench-instructions: $(COMPILED)
-	$(PY) bench/instructions.py
+	$(PY) bench/instructions.py $(ARGS)
 
 # Closed-loop serving benchmark against in-process schemes and peers (mosec, LitServe, Ray Serve,
 # PyTriton), each installed on first use into its own virtualenv under bench/.peers/.
@@ -94,6 +96,7 @@ report-data: $(BENCH_STAMP)
 	-$(PY) bench/payloads.py --json docs/results/payloads.json
 	-$(PY) bench/soak.py --minutes 2 --json docs/results/soak.json
 	-$(PY) bench/text.py --json docs/results/text.json
+	-$(PY) bench/instructions.py --json docs/results/instructions.json
 	$(PY) bench/report.py
 
 # Not part of `make test`: breaks each mechanism on purpose and checks its tests fail.

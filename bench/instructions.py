@@ -1,22 +1,32 @@
-"""Instructions per request in the supervisor, counted by callgrind: the measure this noisy
-2-core machine cannot spoil (CPU time moves with whatever else runs; instruction counts do not).
+"""Instructions per request, counted by callgrind: the measure this noisy 2-core machine cannot
+spoil (CPU time moves with whatever else runs; instruction counts do not).
 
-    python bench/instructions.py [--requests N] [--top K] [--skip-uncompiled]
+    python bench/instructions.py [--requests N] [--client-requests N] [--top K]
+                                 [--skip-uncompiled] [--against CHECKOUT] [--json PATH]
 
 Each row runs one process under ``valgrind --tool=callgrind`` with instrumentation off until the
 load starts, then counts every instruction of every thread of that process (libzmq's I/O thread
-included) over N requests, and divides:
+included; not the kernel's work in system calls) over N requests, and divides:
 
 * ``floor``: a C ``zmq.proxy`` broker (ROUTER -> DEALER, the two hops our supervisor makes), REQ
   clients and REP echoes outside valgrind, 1 KiB, 8 in flight: what routing costs with nothing
   of ours in it;
 * ``supervisor``: our daemon serving W1 (MLP 64 -> 256 -> 10, [1, 64]) at 64 in flight to two
-  workers, batching off and on (max 16, no delay), compiled, and again on an uncompiled copy of
-  the checkout (the same sources, run as Python).
+  workers, batching off and on (max 16, no delay), its client connected before the count;
+* ``client``: one client process's sequential 1 KiB round trips to an identity model, the
+  daemon running natively.
 
-Prints each row's instructions per request, its ratio to the floor, compiled / uncompiled, and
-the K functions with the most instructions (inclusive) in the compiled batching-off run: where
-the time goes. Needs valgrind (`apt-get install valgrind`); takes about 5 minutes.
+The supervisor and client rows are measured for this checkout compiled, for an uncompiled copy
+of it (the same sources, run as Python), and with ``--against`` for another checkout compiled in
+place (``git worktree add /tmp/base COMMIT``, then ``python setup.py build_ext --inplace`` there;
+its role folders are linked under its ``modelwarden/`` here): the commit before a change, side by
+side.
+
+Prints each row, the targets of issue 24 that instruction counts can state (as ratios within
+this run: MET or MISS), and the K compiled functions with the most instructions (inclusive) in
+the compiled batching-off run: where the time goes. ``--json`` writes the rows and targets
+(docs/results/instructions.json, which bench/report.py draws). Needs valgrind (``apt-get install
+valgrind``); takes about 10 minutes, more with ``--against``.
 """
 
 from __future__ import annotations
@@ -275,7 +285,7 @@ def main() -> int:
         copy_checkout(ROOT, workdir / "uncompiled")
         trees["uncompiled"] = workdir / "uncompiled"
     if args.against is not None:
-        trees["against"] = args.against.resolve()
+        trees["against"] = importable(args.against.resolve())
     rows = {"floor": floor(workdir, args.requests)}
     base = rows["floor"]
     print(f"{'row':<50}{'instructions/request':>22}{'x floor':>9}")
@@ -309,6 +319,20 @@ def main() -> int:
         print(f"\nwrote {args.json}")
     shutil.rmtree(workdir, ignore_errors=True)
     return 0
+
+
+def importable(tree: Path) -> Path:
+    """``tree`` (a checkout compiled in place) importable as ``modelwarden`` with PYTHONPATH:
+    its role folders linked under ``modelwarden/``, as pyproject's package-dir maps them."""
+    import tomllib
+
+    package_dir = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for role in {folder.split("/")[0] for package, folder in package_dir.items()
+                 if package.count(".") == 1}:
+        link = tree / "modelwarden" / role
+        if not link.exists():
+            link.symlink_to(tree / role, target_is_directory=True)
+    return tree
 
 
 def targets(rows: dict) -> list[dict]:

@@ -7,7 +7,7 @@
 Each benchmark writes its measurements, the machine it ran on and the command that ran it
 (bench/machine.py) as JSON: serving.json (bench/serving.py), recovery.json (bench/recovery.py),
 memory.json (bench/memory.py), payloads.json (bench/payloads.py), soak.json (bench/soak.py),
-text.json (bench/text.py).
+text.json (bench/text.py), instructions.json (bench/instructions.py).
 The JSON in docs/results/ is committed beside the figures it drew, so this script regenerates
 the document without running anything; a file that is missing makes its section say how to
 measure it. Every number in the document comes from those files; the prose around them is here.
@@ -693,6 +693,53 @@ def payloads_section(data: dict | None, img: Path) -> list[str]:
     return out + [""]
 
 
+# -- instructions per request (the compiled request path) -----------------------------------
+
+
+INSTRUCTION_ROWS = {
+    "floor": "the floor: a C `zmq.proxy` (ROUTER -> DEALER, REQ clients, REP echoes, 1 KiB, 8 in flight)",
+    "supervisor batching off, compiled": "supervisor, batching off, compiled",
+    "supervisor batching off, against": "supervisor, batching off, the checkout before the change",
+    "supervisor batching off, uncompiled": "supervisor, batching off, uncompiled",
+    "supervisor batching on, compiled": "supervisor, batching on (16, no delay), compiled",
+    "supervisor batching on, against": "supervisor, batching on, the checkout before the change",
+    "supervisor batching on, uncompiled": "supervisor, batching on, uncompiled",
+    "client, compiled": "client, one 1 KiB round trip, compiled",
+    "client, against": "client, one 1 KiB round trip, the checkout before the change",
+    "client, uncompiled": "client, one 1 KiB round trip, uncompiled",
+}
+
+
+def instructions_section(data: dict | None) -> list[str]:
+    out = ["## Instructions per request: the compiled request path", ""]
+    if data is None:
+        return out + not_measured("python bench/instructions.py --against CHECKOUT "
+                                  "--json docs/results/instructions.json")
+    out += [
+        "`bench/instructions.py` counts instructions under callgrind, which this noisy machine "
+        "cannot spoil: the same binary on the same input counts the same, whatever else runs. "
+        "Every thread of the measured process is counted (libzmq's I/O thread too), not the "
+        "kernel's work in system calls. The supervisor rows serve W1 (MLP 64 -> 256 -> 10, "
+        f"[1, 64]) at {data['in_flight']} in flight to two workers, {data['requests']:,} requests "
+        "after a warm-up, the client connected before the count; the client rows are one "
+        "process's sequential 1 KiB round trips to an identity model. \"the checkout before the "
+        "change\" is the commit before this work, built the same way and measured in the same "
+        "run; \"uncompiled\" is this checkout without its compiled modules.", ""]
+    out += provenance(data) + [""]
+    rows = data["rows"]
+    floor_count = rows["floor"]
+    table_rows = []
+    for key, title in INSTRUCTION_ROWS.items():
+        if key in rows:
+            ratio_to_floor = f"{rows[key] / floor_count:.2f}" if key.startswith(("floor", "super")) else "-"
+            table_rows.append([title, f"{rows[key]:,}", ratio_to_floor])
+    out += table(["row", "instructions per request", "x the floor"], table_rows) + [""]
+    out += table(["target", "bound", "measured", ""],
+                 [[t["target"], f"{t['op']} {t['bound']:g}", f"{t['value']:.2f}", verdict(t["met"])]
+                  for t in data["targets"]]) + [""]
+    return out
+
+
 # -- text (W4) ---------------------------------------------------------------------------------
 
 TEXT_SYSTEMS = {"modelwarden": "modelwarden native", "gateway": "modelwarden gateway REST JSON",
@@ -857,6 +904,7 @@ def render(results: Path, img: Path) -> str:
     lines += recovery_section(load(results, "recovery"), img)
     lines += memory_section(load(results, "memory"), img)
     lines += payloads_section(load(results, "payloads"), img)
+    lines += instructions_section(load(results, "instructions"))
     lines += text_section(load(results, "text"), img)
     lines += soak_section(load(results, "soak"))
     lines += OTHERS
