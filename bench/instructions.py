@@ -246,16 +246,41 @@ def client(workdir: Path, tree: Path, requests: int) -> int:
 
 
 def hottest(dump: Path, requests: int, top: int) -> list[tuple[int, str]]:
-    """The compiled functions (and libzmq's, libpython's) with the most inclusive instructions."""
+    """Our compiled functions with the most inclusive instructions per request: each by its
+    module and name (``router.Router.accept_parsed``), once (Cython's wrapper that Python calls
+    and the C function that does the work count the same instructions)."""
     text = subprocess.run(["callgrind_annotate", "--inclusive=yes", str(dump)],
                           capture_output=True, text=True).stdout
-    rows = []
+    rows, seen = [], set()
     for line in text.splitlines():
-        match = re.match(r"\s*([0-9,]+) \(\s*[0-9.]+%\)\s+(\S+)", line)
-        if match and "__pyx_pw_" in match.group(2):
-            name = re.sub(r".*__pyx_pw_\d+modelwarden_\d+", "", match.group(2))
-            rows.append((int(match.group(1).replace(",", "")) // requests, name))
+        match = re.match(r"\s*([0-9,]+) \(\s*[0-9.]+%\)\s+\S*?:(__pyx_(?:pw|f|pf)_\S+)", line)
+        if not match or "modelwarden" not in match.group(2):
+            continue
+        name = readable(match.group(2))
+        if name in seen:
+            continue
+        seen.add(name)
+        rows.append((int(match.group(1).replace(",", "")) // requests, name))
     return rows[:top]
+
+
+def readable(symbol: str) -> str:
+    """``__pyx_f_11modelwarden_10supervisor_7routing_6router_6Router_accept_parsed`` ->
+    ``supervisor.routing.router.Router.accept_parsed``: Cython writes each enclosing name as its
+    length and itself, the function's own name bare (or after a counter, in a wrapper's name)."""
+    rest = re.sub(r"^__pyx_(?:pw|f|pf)_", "", symbol).split("'")[0].split(".")[0]
+    parts = []
+    while True:
+        match = re.match(r"(\d+)(.*)", rest)
+        if not match:
+            break
+        length, after = int(match.group(1)), match.group(2)
+        if len(after) < length or (len(after) > length and after[length] != "_"):
+            rest = after  # a counter before the function's own name, not a length
+            break
+        parts.append(after[:length])
+        rest = after[length + 1:]
+    return ".".join([part for part in parts if part != "modelwarden"] + ([rest] if rest else []))
 
 
 def main() -> int:

@@ -687,8 +687,10 @@ def payloads_section(data: dict | None, img: Path) -> list[str]:
                 "budgets), keeps a deadline per request and picks a worker."
                 + (f" The smallest Python broker, which parses nothing, already takes "
                    f"{times(ratio(broker, proxy))} the C proxy's round trip here, so a 1.2x budget "
-                   "leaves no room for that work in Python: closing the gap needs the per-request "
-                   "path compiled (a C or Rust router and codec) or small requests batched."
+                   "leaves no room for that work in Python objects: the request path is compiled "
+                   "(docs/ARCHITECTURE.md, \"The compiled request path\"), but still makes and "
+                   "reads Python objects per request; closing the gap needs a path that makes "
+                   "none, or small requests batched."
                    if proxy and broker else "")]
     return out + [""]
 
@@ -723,8 +725,9 @@ def instructions_section(data: dict | None) -> list[str]:
         f"[1, 64]) at {data['in_flight']} in flight to two workers, {data['requests']:,} requests "
         "after a warm-up, the client connected before the count; the client rows are one "
         "process's sequential 1 KiB round trips to an identity model. \"the checkout before the "
-        "change\" is the commit before this work, built the same way and measured in the same "
-        "run; \"uncompiled\" is this checkout without its compiled modules.", ""]
+        "change\" is the commit before this work (`acfd321`: `git worktree add /tmp/base acfd321`, "
+        "then `python setup.py build_ext --inplace` there), built the same way and measured in "
+        "the same run; \"uncompiled\" is this checkout without its compiled modules.", ""]
     out += provenance(data) + [""]
     rows = data["rows"]
     floor_count = rows["floor"]
