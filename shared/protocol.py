@@ -137,6 +137,7 @@ STATE = "state"        # worker -> supervisor: LOADING, WARMING, READY
 FAILED = "failed"      # worker -> supervisor: why it could not start
 HEARTBEAT = "heartbeat"
 RESULT = "result"      # worker -> supervisor: one request's answer
+RESULTS = "results"    # worker -> supervisor: the answers to every member of one batch
 
 
 # -- framing ------------------------------------------------------------------------------------

@@ -487,6 +487,8 @@ class Arbiter:
         kind = header.get("type")
         if kind == protocol.RESULT:
             self.router.on_result(pool, handle, header, frames[2:])
+        elif kind == protocol.RESULTS:
+            self.router.on_results(pool, handle, header, frames[2:])
         elif kind == protocol.HEARTBEAT:
             handle.cuda_bytes = header.get("cuda_bytes")
         elif kind == protocol.STATE:

@@ -307,3 +307,59 @@ def test_an_identity_past_its_share_of_requests_is_overloaded_and_others_are_ser
     assert rig.host.quotas.holding("uid:1001", "requests") == 1  # given back with the answer
     third = rig.send(identity="uid:1001")
     assert rig.client_idle() and rig.host.quotas.holding("uid:1001", "requests") == 2, third
+
+
+def _results_frames(rig, handle, batch: dict, client_ids: list, ok: bool = True) -> tuple[dict, list]:
+    """A worker's ``results`` message for the members of ``batch``: (envelope, frames)."""
+    frames, sizes = [], []
+    for client_id in client_ids:
+        reply = {"id": client_id, "ok": True, "outputs": 0, "worker": handle.worker_id,
+                 "tensors": [{"dtype": "float32", "shape": [1], "frame": 0}]}
+        frames += [zmq.Frame(protocol.pack(reply)), zmq.Frame(b"\0" * 4)]
+        sizes.append(2)
+    envelope = {"type": protocol.RESULTS, "rids": batch["rids"], "oks": [ok] * len(client_ids),
+                "codes": [None] * len(client_ids), "frames": sizes, "compute_us": 9,
+                "batch": len(client_ids)}
+    return envelope, frames
+
+
+def test_a_batch_answered_in_one_results_message_answers_every_member_once(context):
+    rig = Harness(context, batching={"max_size": 8})
+    worker = rig.handles[0]
+    busy = rig.send()
+    run, _ = rig.worker_receives(worker)
+    queued = [rig.send() for _ in range(3)]
+    rig.answer(worker, run["rid"], busy)
+    rig.client_receives()
+    batch, _ = rig.worker_receives(worker)
+    assert batch["type"] == protocol.BATCH
+    envelope, frames = _results_frames(rig, worker, batch, queued)
+    rig.router.on_results(rig.pool, worker, envelope, frames)
+    answered = [rig.client_receives()[0] for _ in queued]
+    assert [header["id"] for header in answered] == queued
+    assert all(header["timing"]["batch"] == 3 and header["timing"]["compute_us"] == 9
+               for header in answered)
+    rig.router.on_results(rig.pool, worker, envelope, frames)  # again: nothing more
+    assert rig.client_idle() and not worker.inflight and not rig.router.pending
+
+
+@pytest.mark.parametrize("spoil", [
+    lambda envelope, frames: (dict(envelope, frames=[2, 2, 1]), frames),  # counts do not add up
+    lambda envelope, frames: (dict(envelope, oks=[True, "yes", True]), frames),
+    lambda envelope, frames: (dict(envelope, rids=envelope["rids"][:2]), frames),
+    lambda envelope, frames: (dict(envelope, codes=None), frames),
+    lambda envelope, frames: (envelope, frames[:-1]),
+])
+def test_a_results_message_that_does_not_add_up_replaces_the_worker(context, spoil):
+    rig = Harness(context, workers=2, batching={"max_size": 8})
+    worker = rig.handles[0]
+    busy = [rig.send(), rig.send()]  # one on each worker
+    runs = {handle.identity: rig.worker_receives(handle)[0] for handle in rig.handles}
+    queued = [rig.send() for _ in range(3)]
+    rig.answer(worker, runs[worker.identity]["rid"], busy[0])
+    rig.client_receives()
+    batch, _ = rig.worker_receives(worker)
+    envelope, frames = spoil(*_results_frames(rig, worker, batch, queued))
+    rig.router.on_results(rig.pool, worker, envelope, frames)
+    assert worker.retiring is not None  # a replacement is under way; it serves nothing new
+    assert rig.client_idle()  # nothing relayed from a message that does not add up

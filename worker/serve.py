@@ -169,6 +169,25 @@ class WorkerServer:
         else:
             self._answer(call, result.tree, result.leaves, compute_us, batch)
 
+    def _result_parts(self, call: "Call", result: "Outputs | Exception") -> tuple:
+        """A batch member's answer: (rid, ok, code, [reply header, payload...])."""
+        if isinstance(result, Exception):  # its own postprocess raised
+            return self._failure_parts(call.rid, call.client_id, result)
+        return call.rid, True, None, self._reply_parts(call, result.tree, result.leaves)
+
+    def _send_results(self, members: list, compute_us: int, batch: int) -> None:
+        """Every member's answer in one ``results`` message (docs/PROTOCOL.md, Appendix A)."""
+        envelope = {"type": protocol.RESULTS, "rids": [member[0] for member in members],
+                    "oks": [member[1] for member in members],
+                    "codes": [member[2] for member in members],
+                    "frames": [len(member[3]) for member in members],
+                    "compute_us": compute_us, "batch": batch}
+        parts = [self.pack(envelope)]
+        for member in members:
+            parts.extend(member[3])
+        send_parts(self.link.socket, parts)
+        self.served += len(members)
+
     def _prepare(self, rid: Any, frames: list) -> "Call | None":
         """The request decoded and checked, or None once it was answered with its error."""
         client_id = None
@@ -231,12 +250,15 @@ class WorkerServer:
             for call in calls:
                 self._run_call(call)
             return
+        # One message for the whole batch: the supervisor receives, reads and relays it once.
+        members = []
         for call, result in zip(calls, results):
             try:
                 with self._on_stream():
-                    self._answer_result(call, result, compute_us, len(calls))
+                    members.append(self._result_parts(call, result))
             except Exception as exc:
-                self._answer_failure(call.rid, call.client_id, exc)
+                members.append(self._failure_parts(call.rid, call.client_id, exc))
+        self._send_results(members, compute_us, len(calls))
 
     # -- decoding and answering -------------------------------------------------------------
 
@@ -285,26 +307,36 @@ class WorkerServer:
     def _answer(self, call: "Call", tree: Any, leaves: list, compute_us: int, batch: int) -> None:
         """The client's reply header, written here: the supervisor relays it as it is (adding
         only its own timing)."""
-        descs, frames = self._encode(leaves, call.out, call.sources)
-        reply = {"id": call.client_id, "ok": True, "outputs": tree, "tensors": descs,
-                 "worker": self.spec.worker_id, "version": self.spec.version}
+        reply = self._reply_parts(call, tree, leaves)
         envelope = {"type": protocol.RESULT, "rid": call.rid, "ok": True,
                     "compute_us": compute_us, "batch": batch}
         if call.client_id is None and self.device.type == "cuda":  # the probe: memory after it
             envelope["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
-        parts = [self.pack(envelope), self.pack(reply)]
-        parts.extend(frames)
+        parts = [self.pack(envelope)]
+        parts.extend(reply)
         send_parts(self.link.socket, parts)
         self.served += 1
 
+    def _reply_parts(self, call: "Call", tree: Any, leaves: list) -> list:
+        """[the client's reply header, payload frames...] of a success."""
+        descs, frames = self._encode(leaves, call.out, call.sources)
+        reply = {"id": call.client_id, "ok": True, "outputs": tree, "tensors": descs,
+                 "worker": self.spec.worker_id, "version": self.spec.version}
+        return [self.pack(reply), *frames]
+
     def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
+        rid, _, code, parts = self._failure_parts(rid, client_id, exc)
+        envelope = {"type": protocol.RESULT, "rid": rid, "ok": False, "code": code}
+        send_parts(self.link.socket, [self.pack(envelope), *parts])
+        self.served += 1
+
+    def _failure_parts(self, rid: Any, client_id: Any, exc: BaseException) -> tuple:
+        """(rid, False, code, [the client's error reply])."""
         code, message = self._failure_of(rid, exc)
         reply = protocol.error_header(client_id, code, message[:MAX_MESSAGE_CHARS])
         reply["worker"] = self.spec.worker_id
         reply["version"] = self.spec.version
-        envelope = {"type": protocol.RESULT, "rid": rid, "ok": False, "code": code}
-        send_parts(self.link.socket, [self.pack(envelope), self.pack(reply)])
-        self.served += 1
+        return rid, False, code, [self.pack(reply)]
 
     def _failure_of(self, rid: Any, exc: BaseException) -> tuple[str, str]:
         if isinstance(exc, ProtocolError):

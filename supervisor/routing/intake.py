@@ -1,8 +1,8 @@
 """Messages in, on the request path: each poll round drains the clients' messages from a frontend
 and the workers' messages from the backend, here, compiled (intake.pxd), and hands requests and
 results to the router. What is not per request goes back to the Arbiter: a client's ``hello``,
-and every worker message but an authenticated worker's result (its hello, state, heartbeat,
-failure, and anything the backend gate refuses: ``Arbiter._worker_message``).
+and every worker message but an authenticated worker's result or results (its hello, state,
+heartbeat, failure, and anything the backend gate refuses: ``Arbiter.worker_message``).
 
 Each drain takes at most DRAIN_MAX messages from its socket (zmq_poll is level-triggered, so the
 next round sees whatever is left), which keeps every socket served in turn. Client messages
@@ -20,7 +20,7 @@ from typing import Protocol
 import zmq
 
 from modelwarden.shared.protocol import (BAD_REQUEST, CLIENT_HELLO, INFER, INTERNAL, RESULT,
-                                         SIGNATURE, ProtocolError, pack, reply_route,
+                                         RESULTS, SIGNATURE, ProtocolError, pack, reply_route,
                                          request_id_of, split_router_message, unpack_header)
 from modelwarden.shared.sockets import recv_message, recv_routed, send_parts
 from modelwarden.shared.states import ALIVE
@@ -150,12 +150,16 @@ class Intake:
                     header = unpack_header(frames[1], False)
                 except ProtocolError:
                     header = None  # the Arbiter refuses it, saying why
-                if header is not None and header.get("type") == RESULT:
+                kind = header.get("type") if header is not None else None
+                if kind == RESULT or kind == RESULTS:
                     if handle.state in ALIVE:  # else declared dead: what it says is too late
                         handle.last_seen = self.clock()
                         pool = handle.pool
                         if pool is None:
                             pool = host.pool_of(handle)
-                        self.router.on_result(pool, handle, header, frames[2:])
+                        if kind == RESULT:
+                            self.router.on_result(pool, handle, header, frames[2:])
+                        else:
+                            self.router.on_results(pool, handle, header, frames[2:])
                     return
         host.worker_message(frames)

@@ -54,6 +54,8 @@ cdef class Router:
     @cython.locals(parts=list, member=Request)
     cpdef _send_batch(self, WorkerHandle handle, list members, double now)
     cpdef on_result(self, object pool, WorkerHandle handle, dict envelope, list frames)
+    @cython.locals(start=cython.Py_ssize_t, count=cython.Py_ssize_t, member=dict)
+    cpdef on_results(self, object pool, WorkerHandle handle, dict envelope, list frames)
     @cython.locals(total_us=cython.longlong, queue_us=cython.longlong)
     cpdef _relay_result(self, WorkerHandle handle, Request request, dict envelope, list frames)
     cpdef finish(self, Request request, dict reply)

@@ -402,6 +402,26 @@ class Router:
                 self._send_probe(handle, now)
         service.wanted = pool
 
+    def on_results(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict,
+                   frames: list) -> None:
+        """A batch's answers in one message (``results``): member *i* owns the next ``frames[i]``
+        frames (its reply header, then its payload), and is handled as ``on_result`` handles one
+        result. A message that does not add up is a broken worker: it is replaced (replace before
+        retire), and what it held is retried or answered as after its death."""
+        members = _batch_members(envelope, len(frames))
+        if members is None:
+            logger.error("%s sent a malformed results message: replacing it", handle.worker_id)
+            pool.replace(handle, "malformed results message")
+            return
+        compute_us, batch = envelope.get("compute_us"), envelope.get("batch", 1)
+        start = 0
+        for rid, ok, code, count in members:
+            member = {"rid": rid, "ok": ok, "compute_us": compute_us, "batch": batch}
+            if code is not None:
+                member["code"] = code
+            self.on_result(pool, handle, member, frames[start:start + count])
+            start += count
+
     def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
                       frames: list) -> None:
         """The worker wrote the client's reply header; only the timing is added, as bytes
@@ -538,6 +558,25 @@ class Router:
             self.fail(request, code, message)
         for queue in [service.queue for service in self.services.values()]:
             queue.clear()
+
+
+def _batch_members(envelope: dict, count: int) -> list | None:
+    """[(rid, ok, code, frames)] of a ``results`` envelope whose lists agree with each other and
+    with the ``count`` frames that follow it; None when they do not."""
+    rids, oks, codes, sizes = (envelope.get("rids"), envelope.get("oks"), envelope.get("codes"),
+                               envelope.get("frames"))
+    if not (isinstance(rids, list) and isinstance(oks, list) and isinstance(codes, list)
+            and isinstance(sizes, list) and len(rids) == len(oks) == len(codes) == len(sizes)):
+        return None
+    members = []
+    total = 0
+    for rid, ok, code, size in zip(rids, oks, codes, sizes):
+        if (type(ok) is not bool or type(size) is not int or size < 1
+                or not (code is None or isinstance(code, str))):
+            return None
+        total += size
+        members.append((rid, ok, code, size))
+    return members if total == count else None
 
 
 def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
