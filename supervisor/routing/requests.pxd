@@ -3,7 +3,7 @@
 
 cdef class Request:
     cdef public object rid, socket, route, client_id, model, header_frame, payload
-    cdef public object connection, buffers, identity, timer, worker, batch_key
+    cdef public object connection, buffers, identity, worker, batch_key
     cdef public long long received_ns, dispatched_ns
     cdef public double deadline, arrived, timeout
     cdef public Py_ssize_t nbytes, rows

@@ -31,7 +31,6 @@ class Request:
         self.nbytes = nbytes  # inline payload bytes held until it is answered
         self.buffers = buffers  # the buffer tokens it references: passed to a worker before it runs
         self.identity = identity  # whose shares it counts against (supervisor/routing/quotas.py)
-        self.timer = None
         self.worker = None  # the WorkerHandle holding it, if dispatched
         self.dispatched_ns = 0
         self.deaths = 0
