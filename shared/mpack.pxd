@@ -71,4 +71,5 @@ cdef int _write_text(bytearray out, str value) except -1
 @cython.locals(data=bytes, size=cython.Py_ssize_t)
 cdef int _write_binary(bytearray out, object value) except -1
 
+cdef int _write_length(bytearray out, Py_ssize_t size, int code8, str what) except -1
 cdef int _write_size(bytearray out, Py_ssize_t size, int fix, int code16) except -1

@@ -420,35 +420,31 @@ def _write_text(out, value):
     size = len(data)
     if size < 32:
         out.append(0xA0 | size)
-    elif size <= 0xFF:
-        out.append(0xD9)
-        out.append(size)
-    elif size <= 0xFFFF:
-        out.append(0xDA)
-        _write_be(out, size, 2)
-    elif size <= 0xFFFFFFFF:
-        out.append(0xDB)
-        _write_be(out, size, 4)
     else:
-        raise ValueError("String is too large")
+        _write_length(out, size, 0xD9, "String")
     out += data
 
 
 def _write_binary(out, value):
     data = value if type(value) is bytes else bytes(value)
-    size = len(data)
+    _write_length(out, len(data), 0xC4, "Bytes object")
+    out += data
+
+
+def _write_length(out, size, code8, what):
+    """A str's or bin's length: one byte after ``code8``, two after ``code8 + 1``, four after
+    ``code8 + 2`` (msgpack's str8/16/32 and bin8/16/32)."""
     if size <= 0xFF:
-        out.append(0xC4)
+        out.append(code8)
         out.append(size)
     elif size <= 0xFFFF:
-        out.append(0xC5)
+        out.append(code8 + 1)
         _write_be(out, size, 2)
     elif size <= 0xFFFFFFFF:
-        out.append(0xC6)
+        out.append(code8 + 2)
         _write_be(out, size, 4)
     else:
-        raise ValueError("Bytes object is too large")
-    out += data
+        raise ValueError(f"{what} is too large")
 
 
 def _write_size(out, size, fix, code16):
