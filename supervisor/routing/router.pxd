@@ -48,6 +48,7 @@ cdef class Router:
     @cython.locals(service=ModelService, members=list, now=cython.double, handle=WorkerHandle,
                    request=Request)
     cpdef dispatch(self, object pool)
+    cdef _probe_if_due(self, ModelService service, WorkerHandle handle, double now)
     cpdef bint _pass_buffers(self, WorkerHandle handle, Request request) except -1
     @cython.locals(parts=list)
     cpdef _send(self, WorkerHandle handle, Request request, double now)

@@ -309,8 +309,11 @@ class Router:
             return
         now = self.host.clock()
         for handle in handles:
-            if probe_due(handle, now) and has_room(handle, service.max_inflight):
-                self._send_probe(handle, now)
+            self._probe_if_due(service, handle, now)
+
+    def _probe_if_due(self, service: ModelService, handle: WorkerHandle, now: float) -> None:
+        if probe_due(handle, now) and has_room(handle, service.max_inflight):
+            self._send_probe(handle, now)
 
     def _pass_buffers(self, handle: WorkerHandle, request: Request) -> bool:
         """Hand the worker the descriptors of the buffers it lacks; False if the request was
@@ -397,9 +400,7 @@ class Router:
             pool.after_result(handle)
         service = self.service_of(pool)
         if service.probes and handle.state is _READY:
-            now = self.host.clock()
-            if probe_due(handle, now) and has_room(handle, service.max_inflight):
-                self._send_probe(handle, now)
+            self._probe_if_due(service, handle, self.host.clock())
         service.wanted = pool
 
     def on_results(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict,
