@@ -71,9 +71,8 @@ from modelwarden.client.connection import Connection
 from modelwarden.client.curve import ClientKeys, client_keys
 from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
                            OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
-                           UnknownModel, WorkerDied, error_from_reply)
+                           UnknownModel, WorkerDied)
 from modelwarden.client.ipcaccess import check_ipc_endpoint
-from modelwarden.shared.protocol import split_reply
 from modelwarden.shared.rawconfig import (ENV_CONFIG, ENV_ENDPOINT, client_runtime_dir, discovered_socket,
                                           frontend_endpoints)
 from modelwarden.client.session import GRACE_S, HELLO_TIMEOUT_S, Reply, Session
@@ -116,11 +115,11 @@ class _Connection(Connection):
         super().replace()
         self.poller.register(self.socket)
 
-    def receive(self, timeout_s: float) -> tuple[dict, list] | None:
-        """One reply, or None when nothing came within the timeout."""
+    def receive(self, timeout_s: float) -> list | None:
+        """One message's frames, or None when nothing came within the timeout."""
         if not self.poller.poll(max(0, int(timeout_s * 1000))):
             return None
-        return split_reply(recv_frames(self.socket))
+        return recv_frames(self.socket)
 
     def __del__(self) -> None:
         # The thread that owned this connection has ended (its threading.local is gone): its
@@ -232,9 +231,7 @@ class Client:
             request_id, message = self._session.hello_message()
             connection.send([message])
             header, _ = self._await(connection, request_id, min(self.timeout, HELLO_TIMEOUT_S))
-            if not header.get("ok"):
-                raise error_from_reply(header)
-            self._session.accept_offer(header)
+            self._session.take_offer(header)
         return self._session.offer
 
     def infer(self, model: str, inputs: Any, timeout: float | None = None,
@@ -257,15 +254,16 @@ class Client:
             return self._session.decode(pending, reply, frames)
         raise AssertionError("unreachable: the second attempt always returns")
 
-    def _await(self, connection: _Connection, request_id: Any, timeout: float) -> tuple[dict, list]:
+    def _await(self, connection: _Connection, request_id: Any, timeout: float) -> tuple[Any, list]:
+        """(what Session.read takes, the payload) of the reply to ``request_id``."""
         deadline = _now() + timeout
         while True:
-            reply = connection.receive(deadline - _now())
-            if reply is None:
+            frames = connection.receive(deadline - _now())
+            if frames is None:
                 raise _deadline_error(self.endpoint, timeout)
-            header, frames = reply
-            if header.get("id") == request_id:
-                return header, frames
+            rid, header, payload = self._session.split(frames)
+            if rid == request_id:
+                return header, payload
             # Anything else is a stale reply to a request we stopped waiting for: dropped.
 
     def submit(self, model: str, inputs: Any, timeout: float | None = None,
@@ -389,10 +387,10 @@ class _IOThread(threading.Thread):
     def _take_reply(self, connection: _Connection) -> None:
         # One message per readiness: the poll is level-triggered, the next pass takes the rest.
         try:
-            header, payload = split_reply(recv_frames(connection.socket))
+            rid, header, payload = self.session.split(recv_frames(connection.socket))
         except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
             return
-        entry = self.waiting.pop(header.get("id"), None)
+        entry = self.waiting.pop(rid, None)
         if entry is None:
             return  # a reply we stopped waiting for
         pending, future, _, request, _ = entry
@@ -461,9 +459,7 @@ class AsyncClient:
             request_id, message = self._session.hello_message()
             header, _ = await self._roundtrip(request_id, [message],
                                               min(self.timeout, HELLO_TIMEOUT_S))
-            if not header.get("ok"):
-                raise error_from_reply(header)
-            self._session.accept_offer(header)
+            self._session.take_offer(header)
         return self._session.offer
 
     async def infer(self, model: str, inputs: Any, timeout: float | None = None,
@@ -548,10 +544,10 @@ class AsyncClient:
             if frames is None:
                 break
             try:
-                header, payload = split_reply(frames)
+                rid, header, payload = self._session.split(frames)
             except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
                 continue
-            future = self._waiting.get(header.get("id"))
+            future = self._waiting.get(rid)
             if future is not None and not future.done():
                 future.set_result((header, payload))
 

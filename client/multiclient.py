@@ -50,7 +50,7 @@ from modelwarden.client.connection import Connection
 from modelwarden.client.curve import ClientKeys, client_keys
 from modelwarden.shared.errors import Poison, RemoteError, Timeout
 from modelwarden.client.ipcaccess import check_ipc_endpoint
-from modelwarden.shared.protocol import SIGNATURE, split_reply
+from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.client.session import GRACE_S, HELLO_TIMEOUT_S, Pending, Session
 from modelwarden.shared.sockets import recv_frames
 
@@ -348,17 +348,16 @@ class _BalancingThread(threading.Thread):
             if frames is None:
                 return
             try:
-                header, payload = split_reply(frames)
+                request_id, header, payload = link.session.split(frames)
             except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
                 continue
-            request_id = header.get("id")
             if isinstance(request_id, str) and request_id.startswith(HEARTBEAT_ID):
                 self._heartbeat_answered(link, header)
             else:
                 self._request_answered(link, request_id, header, payload)
 
-    def _heartbeat_answered(self, link: _Link, header: dict) -> None:
-        if not header.get("ok"):
+    def _heartbeat_answered(self, link: _Link, header: Any) -> None:
+        if not isinstance(header, dict) or not header.get("ok"):  # an inference reply is no offer
             return
         link.session.accept_offer(header)
         if not self.first_offer.done():

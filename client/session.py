@@ -21,8 +21,8 @@ import torch
 from modelwarden.shared import protocol
 from modelwarden.shared.codec import (Elements, copy_into, decode_elements, dtype_name, encode,
                                       frame_tensor, from_bytes, inline_only, to_numpy, unflatten)
-from modelwarden.shared.descriptors import InferReply, ReplyError, parse_reply
-from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout
+from modelwarden.shared.descriptors import InferReply, ReplyCache, ReplyError, parse_reply
+from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout, error_from_reply
 from modelwarden.shared.fdchannel import BufferChannelClient
 from modelwarden.shared.protocol import SIGNATURE, ProtocolError, TensorDesc
 from modelwarden.shared.rawconfig import check_announced_channel
@@ -69,6 +69,7 @@ class Session:
         self.threshold = 1 << 62
         self.ids = itertools.count(1)
         self.out_guess: dict[str, int] = {}
+        self.replies = ReplyCache()
         self._lock = threading.Lock()
 
     def accept_offer(self, offer: dict) -> None:
@@ -84,6 +85,14 @@ class Session:
             if use_shm:
                 self.threshold = int(shm.get("threshold", 64 * 1024))
                 self.arena = ShmArena(BufferChannelClient(shm["channel"]))
+
+    def take_offer(self, header: Any) -> None:
+        """A hello's answer: its offer taken, or the error it carries raised."""
+        if not isinstance(header, dict):
+            raise InternalError("malformed reply from the daemon: a hello answered as an inference")
+        if not header.get("ok"):
+            raise error_from_reply(header)
+        self.accept_offer(header)
 
     def hello_message(self) -> tuple[int, list]:
         request_id = next(self.ids)
@@ -165,8 +174,29 @@ class Session:
 
     # -- replies ----------------------------------------------------------------------------
 
-    def read(self, header: dict, frames: list) -> InferReply:
+    def split(self, frames: list) -> tuple[Any, Any, list]:
+        """One message from the daemon as (its id, what ``read`` takes, its payload frames). A
+        success reply is parsed here, or found in ``replies`` when it is one seen before but for
+        its id and timing; anything else (a hello's answer, a failure, a malformed success) comes
+        as its header map. InternalError when the frames are not a modelwarden reply."""
+        raw, payload = protocol.reply_parts(frames)
+        found = self.replies.parse(raw, payload)
+        if found is not None:
+            return found[0], found[1], payload
+        header = protocol.unpack_header(raw, strict=False)
+        if header.get("ok") is not True or "outputs" not in header:
+            return header.get("id"), header, payload
+        try:
+            reply = parse_reply(header, payload)
+        except protocol.ProtocolError:
+            return header.get("id"), header, payload  # read() makes it the request's failure
+        self.replies.learn(raw, len(header), reply, len(payload))
+        return header.get("id"), reply, payload
+
+    def read(self, header: Any, frames: list) -> InferReply:
         """The typed reply; a malformed one becomes an INTERNAL failure of the request it names."""
+        if type(header) is InferReply:  # parsed by split()
+            return header
         try:
             return parse_reply(header, frames)
         except protocol.ProtocolError as exc:

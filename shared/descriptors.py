@@ -22,9 +22,11 @@ from __future__ import annotations
 import struct
 from typing import Any, NamedTuple
 
-from modelwarden.shared.protocol import (BAD_REQUEST, ELEMENT_PREFIX, INTERNAL, MAX_NAME_BYTES,
-                                         ProtocolError, TensorDesc, check_tree,
-                                         frame_lengths_match, parse_tensors, request_id_of)
+from modelwarden.shared.mpack import pack, read_at, value_end, value_span
+from modelwarden.shared.protocol import (BAD_REQUEST, ELEMENT_PREFIX, INTERNAL, MAX_ID_BYTES,
+                                         MAX_NAME_BYTES, ProtocolError, TensorDesc, check_tree,
+                                         frame_lengths_match, parse_tensors, read_timing,
+                                         request_id_of, usable_id)
 
 MAX_ERROR_CODE_BYTES = 64
 
@@ -221,6 +223,86 @@ def parse_reply_tensors(descs: Any, frames: list, shm: bool = True) -> list[Tens
     except ProtocolError as exc:
         raise malformed(exc.message) from None
     return tensors
+
+
+class ReplyCache:
+    """``parse_reply(header, frames)`` remembered for the success headers it was worked out for,
+    but for their ``id`` and their ``timing``. A client gets the same reply header again and
+    again but for those two (the same worker, version, outputs and descriptors), and the parse
+    is a function of the header's bytes and the frames' lengths alone.
+
+    The daemon writes a success header as a map whose first key is ``id`` (the worker writes it
+    so) and whose last entry is the ``timing`` the supervisor appends (``protocol.add_timing``).
+    So a header is found when its first byte, the bytes between its id and its timing
+    (``middle``) and its payload's frame count are one remembered entry's, its id is an int or a
+    str (read as the full decode reads it), its timing is add_timing's layout of non-negative
+    ints (``protocol.read_timing``), and its frames hold the bytes the descriptors say. Anything
+    else -- a header never seen, a failure, a map with a repeated key -- is not found, and the
+    full parse reads it (and refuses it, saying why). Only the full parse's own verdicts are
+    learnt, and only from headers without repeated keys: the lax decode keeps a repeated key's
+    last value, which the id and the timing read here might not be.
+
+    Bounded: at most ``size`` entries for headers of at most ``LONGEST`` bytes; past that it
+    starts afresh. Shared by a client's threads: ``entries`` is replaced, never changed in place."""
+
+    LONGEST = 4096
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self.entries: list = []  # (first byte, middle, frame count, then the reply's
+        # outputs, tensors, worker and version)
+
+    def parse(self, header: bytes, frames: list) -> tuple | None:
+        """(the id as the full decode reads it, the reply) if ``header`` is found, else None."""
+        entries = self.entries
+        if not entries or len(header) > self.LONGEST or not header.startswith(_ID_KEY, 1):
+            return None
+        end = value_end(header, _ID_AT, MAX_ID_BYTES)
+        if end < 0:
+            return None
+        first = header[0]
+        for entry_first, middle, count, outputs, tensors, worker, version in entries:
+            if entry_first != first or len(frames) != count or not header.startswith(middle, end):
+                continue
+            timing = read_timing(header, end + len(middle))
+            if timing is None:
+                continue
+            try:
+                frame_lengths_match(tensors, frames)
+            except ProtocolError:
+                return None
+            rid = read_at(header, _ID_AT, end, MAX_ID_BYTES)
+            # InferReply(...) without the Python frame of a NamedTuple's __new__: the same tuple
+            return rid, tuple.__new__(InferReply, (usable_id(rid), True, outputs, tensors, None,
+                                                   worker, timing, version))
+        return None
+
+    def learn(self, header: bytes, keys: int, reply: InferReply, count: int) -> None:
+        """Remember ``reply``: the full parse of ``header`` (a map the lax decode made ``keys``
+        entries of) with ``count`` payload frames."""
+        if (not reply.ok or len(header) > self.LONGEST or not 0x80 <= header[0] <= 0x8F
+                or keys != header[0] - 0x80 or not header.startswith(_ID_KEY, 1)):
+            return
+        end = value_end(header, _ID_AT, MAX_ID_BYTES)
+        span = value_span(header, "timing")
+        if end < 0 or span is None:
+            return
+        key_at = span[0] - len(_TIMING)
+        if key_at < end or read_timing(header, key_at) is None:
+            return
+        middle = header[end:key_at]
+        for entry in self.entries:
+            if entry[0] == header[0] and entry[1] == middle and entry[2] == count:
+                return
+        entries = [] if len(self.entries) >= self.size else list(self.entries)
+        entries.append((header[0], middle, count, reply.outputs, reply.tensors, reply.worker,
+                        reply.version))
+        self.entries = entries
+
+
+_ID_KEY = pack("id")
+_ID_AT = 1 + len(_ID_KEY)  # where the id's value starts in a map whose first key is "id"
+_TIMING = pack("timing")
 
 
 def _error(value: Any) -> ReplyError:

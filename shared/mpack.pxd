@@ -45,6 +45,9 @@ cpdef object value_span(object data, object key)
 @cython.locals(reader=_Reader)
 cpdef object read_at(bytes data, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_str)
 
+@cython.locals(code=cython.int, value=cython.ulonglong, index=cython.Py_ssize_t)
+cpdef object uint_at(bytes data, Py_ssize_t start, Py_ssize_t end)
+
 @cython.locals(end=cython.Py_ssize_t, code=cython.int, size=cython.Py_ssize_t)
 cpdef Py_ssize_t value_end(bytes data, Py_ssize_t start, Py_ssize_t limit) except? -2
 

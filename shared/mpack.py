@@ -113,6 +113,21 @@ def read_at(data, start, end, max_str):
     return value if reader.pos == end else None
 
 
+def uint_at(data, start, end):
+    """The unsigned int that ``data[start:end]`` holds, exactly, in the forms ``pack_uint``
+    writes (a positive fixint, uint 8/16/32/64); -1 for anything else (the caller then parses
+    the whole message)."""
+    code = data[start]
+    if code <= 0x7F:
+        return code if end == start + 1 else -1
+    if not (0xCC <= code <= 0xCF and end == start + 1 + (1 << (code - 0xCC))):
+        return -1
+    value = 0
+    for index in range(start + 1, end):  # big-endian
+        value = (value << 8) | data[index]
+    return value
+
+
 def value_end(data, start, limit):
     """Where the msgpack value at ``start`` of ``data`` ends if it is a str (at most ``limit``
     bytes long) or an int; -1 for anything else (or for bytes that end first)."""

@@ -4,11 +4,12 @@
 
 cimport cython
 
-from modelwarden.shared.mpack cimport (pack as pack_value, pack_uint, read_at, unpack as read_msgpack,
-                                      value_end, value_span)
+from modelwarden.shared.mpack cimport (pack as pack_value, pack_uint, read_at, uint_at,
+                                      unpack as read_msgpack, value_end, value_span)
 
 cdef list _FIXMAPS
 cdef bytes _TIMING_KEY, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY
+cdef tuple _COUNT_KEYS
 cdef Py_ssize_t _MAX_STR, _MAX_BIN, _MAX_ENTRIES
 cdef list _TENSOR_NAMES
 cdef dict _DTYPES
@@ -62,3 +63,5 @@ cpdef frame_lengths_match(object tensors, object payload)
 @cython.locals(first=cython.int)
 cpdef bytes add_timing(object packed, object queue_us, object compute_us, object total_us, object batch)
 cpdef bytes _pack_count(object value)
+@cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list)
+cpdef object read_timing(bytes packed, Py_ssize_t start)

@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 import msgpack
 
 import modelwarden.shared.mpack as mpack
-from modelwarden.shared.mpack import (pack as pack_value, pack_uint, read_at, unpack as read_msgpack,
-                                     value_end, value_span)
+from modelwarden.shared.mpack import (pack as pack_value, pack_uint, read_at, uint_at,
+                                     unpack as read_msgpack, value_end, value_span)
 
 SIGNATURE = b"MWP1"
 PROTOCOL_VERSION = 1
@@ -169,6 +169,7 @@ _TIMING_KEY = pack_value("timing") + b"\x84" + pack_value("queue_us")
 _COMPUTE_KEY = pack_value("compute_us")
 _TOTAL_KEY = pack_value("total_us")
 _BATCH_KEY = pack_value("batch")
+_COUNT_KEYS = (None, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY)  # what precedes each count
 
 
 def add_timing(packed, queue_us: int, compute_us: Any, total_us: int, batch: Any) -> bytes:
@@ -181,6 +182,32 @@ def add_timing(packed, queue_us: int, compute_us: Any, total_us: int, batch: Any
     return b"".join((_FIXMAPS[first + 1 - 0x80], packed[1:], _TIMING_KEY, pack_uint(queue_us),
                      _COMPUTE_KEY, _pack_count(compute_us), _TOTAL_KEY, pack_uint(total_us),
                      _BATCH_KEY, _pack_count(batch)))
+
+
+def read_timing(packed: bytes, start: int) -> dict | None:
+    """The ``timing`` entry ``add_timing`` wrote, read back from ``start`` (its key) of
+    ``packed``: the map the full decode gives, when the entry ends ``packed`` in that very layout
+    and every count is a non-negative int; else None (the caller decodes the whole header)."""
+    if not packed.startswith(_TIMING_KEY, start):
+        return None
+    pos = start + len(_TIMING_KEY)
+    counts = []
+    for key in _COUNT_KEYS:
+        if key is not None:
+            if not packed.startswith(key, pos):
+                return None
+            pos += len(key)
+        end = value_end(packed, pos, 0)
+        if end < 0:
+            return None
+        count = uint_at(packed, pos, end)
+        if count < 0:
+            return None
+        counts.append(count)
+        pos = end
+    if pos != len(packed):
+        return None
+    return {"queue_us": counts[0], "compute_us": counts[1], "total_us": counts[2], "batch": counts[3]}
 
 
 def _pack_count(value: Any) -> bytes:
@@ -241,13 +268,18 @@ def split_reply(frames: list) -> tuple[dict, list]:
     """A reply as a DEALER receives it (an empty delimiter first, or not): its header and its
     payload frames. The one splitter for every client of the daemon: frames are zmq.Frames
     (``copy=False``) or bytes. InternalError when they are not a modelwarden reply."""
+    header, payload = reply_parts(frames)
+    return unpack_header(header, strict=False), payload
+
+
+def reply_parts(frames: list) -> tuple[bytes, list]:
+    """``split_reply`` but for the header's decoding: its bytes, and the payload frames."""
     start = 1 if frames and len(frames[0]) == 0 else 0
     if len(frames) < start + 2 or bytes(frames[start]) != SIGNATURE:
         from modelwarden.shared.errors import InternalError  # errors imports this module
 
         raise InternalError("malformed reply from the daemon")
-    header = frames[start + 1]
-    return unpack_header(getattr(header, "buffer", header), strict=False), frames[start + 2:]
+    return bytes(frames[start + 1]), frames[start + 2:]
 
 
 def error_header(request_id: Any, code: str, message: str, detail: str | None = None) -> dict:

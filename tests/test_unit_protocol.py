@@ -10,7 +10,7 @@ import msgpack
 import pytest
 import zmq
 
-from modelwarden.shared import protocol
+from modelwarden.shared import descriptors, mpack, protocol
 from modelwarden.shared.protocol import (
     BAD_REQUEST,
     MAX_HEADER_BYTES,
@@ -663,3 +663,94 @@ def test_the_cache_is_bounded_and_starts_afresh():
     big = _infer_header(1, timeout_ms=500, pad="x" * protocol.InferCache.LONGEST)
     cache.learn(big, protocol.parse_infer(unpack_header(big), 1), 1)
     assert cache.parse(big, 1) is None  # too long to remember
+
+
+# -- ReplyCache: the parse of a reply header seen before, but for its id and timing -------------
+
+
+def _reply_header(rid, queue_us=5, compute_us=120, total_us=300, batch=1, **fields) -> bytes:
+    """A success header as the daemon writes it: the worker's map (id first), then the
+    supervisor's timing appended."""
+    worker = protocol.pack({"id": rid, "ok": True, "outputs": 0,
+                            "tensors": [{"dtype": "float32", "shape": [2, 3], "frame": 0}],
+                            "worker": "m#0", "version": "v1", **fields})
+    return protocol.add_timing(worker, queue_us, compute_us, total_us, batch)
+
+
+FRAME = [b"\x00" * 24]
+
+
+def _learnt(*headers: bytes) -> descriptors.ReplyCache:
+    cache = descriptors.ReplyCache()
+    for header in headers:
+        parsed = unpack_header(header, strict=False)
+        cache.learn(header, len(parsed), descriptors.parse_reply(parsed, FRAME), 1)
+    return cache
+
+
+def test_the_reply_cache_gives_what_the_full_parse_gives_for_every_id_and_timing():
+    cache = _learnt(_reply_header(1))
+    ids = [0, 7, 127, 128, 2**32, 2**63 - 1, 2**64 - 1, -1, -2**63, "", "x", "é" * 64]
+    counts = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
+    for rid, count in zip(ids, counts * 2):
+        header = _reply_header(rid, queue_us=count, compute_us=counts[-1] - count, total_us=count,
+                               batch=count % 7)
+        found = cache.parse(header, FRAME)
+        parsed = unpack_header(header, strict=False)
+        assert found is not None, (rid, count)
+        assert found == (parsed["id"], descriptors.parse_reply(parsed, FRAME)), (rid, count)
+
+
+@pytest.mark.parametrize("header, frames", [
+    (_reply_header(3, compute_us=-1), FRAME),  # a count the full parse refuses
+    (protocol.add_timing(protocol.pack({"id": 3, "ok": True, "outputs": 0, "tensors": [
+        {"dtype": "float32", "shape": [2, 3], "frame": 0}], "worker": "m#0", "version": "v1"}),
+        5, 1.5, 300, 1), FRAME),  # a count that is not an int
+    (_reply_header(3.5), FRAME),  # an id that is neither an int nor a str
+    (_reply_header("x" * 129), FRAME),  # an id too long
+    (_reply_header(3, version="v2"), FRAME),  # the same but for another field
+    (_reply_header(3), [b"\x00" * 23]),  # a frame of the wrong length
+    (_reply_header(3), FRAME * 2),  # another frame count
+    (_reply_header(3) + b"\x00", FRAME),  # a byte more
+    (_reply_header(3)[:-1], FRAME),  # a byte less
+])
+def test_the_reply_cache_finds_nothing_the_full_parse_would_not_give_the_same(header, frames):
+    assert _learnt(_reply_header(1)).parse(header, frames) is None
+
+
+def test_the_reply_cache_learns_only_maps_without_a_repeated_key():
+    # The lax decode keeps a repeated key's last value: here the id after the first one.
+    twice = _reply_header(1).replace(b"\x87\xa2id\x01", b"\x88\xa2id\x01\xa2id\x02", 1)
+    assert unpack_header(twice, strict=False)["id"] == 2
+    cache = _learnt(twice)
+    assert cache.entries == []
+    assert cache.parse(twice.replace(b"\xa2id\x01", b"\xa2id\x05", 1), FRAME) is None
+
+
+def test_the_reply_cache_learns_no_failure_and_is_bounded():
+    failure = protocol.add_timing(protocol.pack({"id": 1, "ok": False, "error": {
+        "code": "BAD_INPUT", "message": "no"}}), 1, 2, 3, 1)
+    cache = descriptors.ReplyCache(size=4)
+    parsed = unpack_header(failure, strict=False)
+    cache.learn(failure, len(parsed), descriptors.parse_reply(parsed, []), 0)
+    assert cache.entries == []
+    for version in "abcdef":
+        header = _reply_header(1, version=version)
+        parsed = unpack_header(header, strict=False)
+        cache.learn(header, len(parsed), descriptors.parse_reply(parsed, FRAME), 1)
+        assert len(cache.entries) <= 4
+    assert len(cache.entries) == 2 and cache.parse(_reply_header(9, version="f"), FRAME)[1].version == "f"
+
+
+@pytest.mark.parametrize("value", [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32,
+                                   2**64 - 1])
+def test_uint_at_reads_every_unsigned_form_as_msgpack_does(value):
+    packed = b"\x00" + protocol.pack_uint(value)
+    assert mpack.uint_at(packed, 1, len(packed)) == msgpack.unpackb(packed[1:]) == value
+    assert mpack.uint_at(packed, 1, len(packed) - 1) == -1  # not exactly those bytes
+
+
+@pytest.mark.parametrize("value", [-1, -32, -33, -200, 1.5, "x", None, True])
+def test_uint_at_refuses_what_is_not_an_unsigned_int(value):
+    packed = msgpack.packb(value)
+    assert mpack.uint_at(packed, 0, len(packed)) == -1

@@ -16,9 +16,9 @@ import pytest
 import torch
 import zmq
 
-from modelwarden.shared import protocol
+from modelwarden.shared import descriptors, protocol
 from modelwarden.shared.errors import InternalError, ModelError
-from modelwarden.client.session import Session
+from modelwarden.client.session import Pending, Session
 from modelwarden.shared.shm import ShmArena
 
 THRESHOLD = 1024
@@ -135,3 +135,50 @@ def test_an_error_reply_raises_its_class_with_the_worker(session):
     with pytest.raises(ModelError) as info:
         session.decode(pending, session.read(header, []), [])
     assert info.value.worker == "identity#1" and info.value.message == "boom"
+
+
+def _reply_frames(rid, data: bytes, queue_us: int) -> list:
+    """A success as a client's DEALER gets it: signature, the header the daemon writes (the
+    worker's map with the supervisor's timing appended), the payload frame."""
+    worker = protocol.pack({"id": rid, "ok": True, "outputs": 0, "worker": "identity#0",
+                            "version": "v1",
+                            "tensors": [{"dtype": "uint8", "shape": [len(data)], "frame": 0}]})
+    return [protocol.SIGNATURE, protocol.add_timing(worker, queue_us, 10, 20 + queue_us, 1), data]
+
+
+def test_split_reads_a_success_once_and_finds_the_next_ones_in_its_cache(session):
+    for rid in range(1, 6):
+        got, reply, payload = session.split(_reply_frames(rid, bytes([rid]) * 4, 100 * rid))
+        assert got == rid and type(reply) is descriptors.InferReply
+        assert reply.id == rid and reply.timing["queue_us"] == 100 * rid and reply.worker == "identity#0"
+        assert session.read(reply, payload) is reply
+        pending = Pending(rid, "identity", False, False, keep=[])
+        assert session.decode(pending, reply, payload).tolist() == [rid] * 4
+    assert len(session.replies.entries) == 1  # learnt from the first, found for the rest
+
+
+def test_split_gives_a_hello_answer_and_a_failure_as_their_header_map(session):
+    hello = {"id": 1, "ok": True, "protocol": 1, "models": []}
+    rid, header, _ = session.split([protocol.SIGNATURE, protocol.pack(hello)])
+    assert rid == 1 and header == hello
+    failure = protocol.error_header(2, protocol.MODEL_ERROR, "boom")
+    rid, header, _ = session.split([protocol.SIGNATURE, protocol.pack(failure)])
+    assert rid == 2 and header == failure
+    with pytest.raises(ModelError):
+        session.decode(Pending(2, "identity", False, False, keep=[]), session.read(header, []), [])
+
+
+def test_a_malformed_success_is_split_as_its_map_and_read_as_an_internal_error(session):
+    frames = _reply_frames(3, b"abcd", 5)
+    frames[2] = b"abc"  # one byte short of its descriptor
+    rid, header, payload = session.split(frames)
+    assert rid == 3 and isinstance(header, dict)
+    reply = session.read(header, payload)
+    assert not reply.ok and reply.error.code == protocol.INTERNAL and session.replies.entries == []
+
+
+def test_a_hello_answered_as_an_inference_is_refused(session):
+    _, reply, _ = session.split(_reply_frames(1, b"x", 1))
+    with pytest.raises(InternalError, match="a hello answered as an inference"):
+        session.take_offer(reply)
+    assert session.offer is None

@@ -25,7 +25,8 @@ summary of what was parsed, or the same error class and message. A difference is
 
 Every header frame is also read by msgpack-python, the reference implementation of the format,
 under the same limits: shared/mpack.py must read the same value from it or refuse it too. And
-the supervisor's InferCache must find only what the full parse of a header gives.
+the supervisor's InferCache and the client's ReplyCache must find only what the full parse of a
+header gives.
 
 The seeds are valid requests and replies of every kind plus the hostile inputs of the
 malformed-input tests: msgpack bombs (huge declared counts, deep nesting), overflowing shapes,
@@ -179,6 +180,31 @@ def cache_agrees(frames: list[bytes]) -> None:
 CACHE = protocol.InferCache()
 
 
+def reply_cache_agrees(frames: list[bytes]) -> None:
+    """The client's ReplyCache (shared/descriptors.py) against the full parse it stands for, as
+    cache_agrees does for the InferCache: found means the full parse gives the same id and reply;
+    refused by the full parse means never found."""
+    try:
+        header, payload = protocol.reply_parts(frames)
+    except InternalError:
+        return
+    found = REPLIES.parse(header, payload)
+    try:
+        decoded = protocol.unpack_header(header, strict=False)
+        parsed = descriptors.parse_reply(decoded, payload)
+    except protocol.ProtocolError:
+        if found is not None:
+            raise AssertionError("the reply cache found a header the full parse refuses") from None
+        return
+    if found is not None and found != (decoded.get("id"), parsed):
+        raise AssertionError(f"the reply cache found {found!r} but the full parse gives "
+                             f"{(decoded.get('id'), parsed)!r}")
+    REPLIES.learn(header, len(decoded), parsed, len(payload))
+
+
+REPLIES = descriptors.ReplyCache()
+
+
 def one_input(data: bytes) -> None:
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
@@ -189,6 +215,7 @@ def one_input(data: bytes) -> None:
     for frame in frames[1:2]:  # the header frame
         against_msgpack(frame)
     cache_agrees(frames)
+    reply_cache_agrees(frames)
 
 
 # -- seeds -----------------------------------------------------------------------------------
@@ -220,6 +247,10 @@ def seeds() -> list[bytes]:
              "timing": {"queue_us": 1, "forward_us": 2},
              "tensors": [{"dtype": "float32", "shape": [2, 2], "frame": 0}]}
     failure = {"ok": False, "id": 7, "error": {"code": "BAD_INPUT", "message": "no"}}
+    # as the daemon writes a success: the worker's map, id first, and the supervisor's timing
+    relayed = protocol.add_timing(msgpack.packb({
+        "id": 9, "ok": True, "outputs": 0, "worker": "m#0", "version": "v1",
+        "tensors": [{"dtype": "float32", "shape": [2, 2], "frame": 0}]}), 3, 250, 900, 1)
     hostile = [
         # msgpack bombs: declared counts far past the bytes that follow, nesting past the limit
         _message(None, raw=b"\xdf\xff\xff\xff\xff"),
@@ -252,7 +283,7 @@ def seeds() -> list[bytes]:
         msgpack.packb([]),
     ]
     valid = [_message(infer, f32), _message(strings, text), _message(shm, b"\x00\x00"),
-             _message(reply, f32), _message(failure), _message({"type": "hello", "id": "h"})]
+             _message(reply, f32), _message(None, f32, raw=relayed), _message(failure), _message({"type": "hello", "id": "h"})]
     return valid + hostile
 
 
