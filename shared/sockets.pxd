@@ -98,6 +98,8 @@ cdef int _SNDMORE, _NOBLOCK, _POLLIN, _EAGAIN, _EINTR
 cdef Py_ssize_t _COPY_BELOW
 
 cpdef send_parts(object socket, list parts)
+cpdef object recv_message(object socket, int flags=*)
+cpdef object recv_routed(object socket, object prop)
 cdef object _handle(object socket)
 cdef object _recv_c(object socket, int flags, object prop, bint writable)
 cdef bint _send_c(object socket, list parts, int first_flags) except -1

@@ -95,6 +95,10 @@ class Arbiter:
         self.fleet = Fleet({model.name: self._new_pool(model, placements[model.name],
                                                    probes.judge_for(model, settings))
                             for model in settings.models})
+        # Model name -> its pool (what the router, status and metrics read): the fleet's own
+        # dict, which it changes in place for the daemon's life. An attribute, not a property:
+        # the router reads it per request, and a property is an interpreted call each time.
+        self.pools: dict[str, ModelPool] = self.fleet.pools
         self.pid = os.getpid()
         self.started_at = self.clock()
         self.stopping = False
@@ -126,11 +130,6 @@ class Arbiter:
 
     def pool_of(self, handle: WorkerHandle) -> ModelPool | None:
         return self.fleet.pool_of(handle)
-
-    @property
-    def pools(self) -> dict[str, ModelPool]:
-        """Model name -> its pool (what the router, status and metrics read)."""
-        return self.fleet.pools
 
     @property
     def leaving_pools(self) -> list[ModelPool]:

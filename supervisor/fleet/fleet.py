@@ -30,7 +30,8 @@ PoolMaker = Callable[[ModelConfig, list[SlotPlacement], probes.ProbeJudge], Mode
 
 class Fleet:
     def __init__(self, pools: dict[str, ModelPool]) -> None:
-        self.pools = pools  # model name -> its pool, in the configuration's order
+        self.pools = pools  # model name -> its pool, in the configuration's order; changed in
+        # place only (the Arbiter hands this very dict to the router)
         self.leaving: list[ModelPool] = []  # removed by a reload, draining
 
     def all(self) -> tuple[ModelPool, ...]:

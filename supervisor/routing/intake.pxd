@@ -4,7 +4,8 @@ cimport cython
 
 from modelwarden.shared.protocol cimport (Envelope, InferRequest, reply_route, request_id_of,
                                           split_router_message, unpack_header)
-from modelwarden.shared.sockets cimport send_parts
+from modelwarden.shared.sockets cimport recv_message, recv_routed, send_parts
+from modelwarden.supervisor.routing.identity cimport of_property
 from modelwarden.supervisor.routing.limits cimport check_message
 from modelwarden.supervisor.fleet.handle cimport WorkerHandle
 from modelwarden.supervisor.routing.router cimport Router
@@ -22,5 +23,5 @@ cdef class Intake:
     cpdef client_message(self, Py_ssize_t index, object sock, list frames, object peer,
                          Py_ssize_t max_bytes)
     cpdef drain_workers(self)
-    @cython.locals(handle=WorkerHandle)
+    @cython.locals(handle=WorkerHandle, header=dict)
     cpdef worker_message(self, list frames)

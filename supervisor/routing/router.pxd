@@ -31,6 +31,7 @@ cdef class Router:
     cdef public ReplyLedger replies
     cdef long long _next_rid
 
+    @cython.locals(service=ModelService)
     cpdef ModelService service_of(self, object pool)
     cdef object _new_rid(self)
     @cython.locals(parsed=InferRequest)

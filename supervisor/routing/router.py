@@ -177,7 +177,7 @@ class Router:
             return
         now = host.clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else service.timeout
-        request = Request(self._new_rid(), socket, envelope.route, parsed.id, pool.name,
+        request = Request(self._new_rid(), socket, envelope.route, parsed.id, service.name,
                           envelope.header, payload, perf_counter_ns(), now + timeout,
                           connection, nbytes, buffers, identity)
         request.timeout = timeout
