@@ -476,6 +476,10 @@ MUTATIONS = [
       "            if index == size:\n                return _cached_text[slot]",
       "            if True:\n                return _cached_text[slot]",
       ("tests/test_unit_mpack.py::test_short_strings_are_found_again_by_their_bytes_not_by_their_slot",)),
+    M("fleet-pools-replaced", "supervisor/fleet/fleet.py",
+      "        self.pools.clear()  # in place: the router holds this very dict (Arbiter.pools)\n"
+      "        self.pools.update(ordered)\n", "        self.pools = ordered\n",
+      ("tests/test_reload.py::test_reload_under_load_adds_removes_scales_and_rolls_with_no_failed_request",)),
     M("reply-cache-frames-unchecked", "shared/descriptors.py",
       "                frame_lengths_match(tensors, frames)\n", "                pass\n",
       ("tests/test_unit_protocol.py::test_the_reply_cache_finds_nothing_the_full_parse_would_not_give_the_same",)),

@@ -110,8 +110,10 @@ class Fleet:
                 if leaving.name == config.name:  # it shares the new pool's queue: stop it now
                     leaving.scale([], f"{why}: model {config.name} added again")
             added[config.name] = make_pool(config, placements[config.name], judges[config.name])
-        self.pools = {model.name: self.pools.get(model.name) or added[model.name]
-                      for model in new.models}
+        ordered = {model.name: self.pools.get(model.name) or added[model.name]
+                   for model in new.models}
+        self.pools.clear()  # in place: the router holds this very dict (Arbiter.pools)
+        self.pools.update(ordered)
         for pool in added.values():
             pool.start_all()
         summary = changes.summary() or ["no change"]
