@@ -17,7 +17,6 @@ cdef class _Reader:
     @cython.locals(start=cython.Py_ssize_t)
     cdef Py_ssize_t take(self, Py_ssize_t count) except -1
 
-    @cython.locals(start=cython.Py_ssize_t, index=cython.Py_ssize_t, value=cython.ulonglong, data=bytes)
     cdef unsigned long long uint(self, int width) except? 0xFFFFFFFFFFFFFFFF
 
     @cython.locals(start=cython.Py_ssize_t, code=cython.int, value=cython.longlong)
@@ -45,8 +44,11 @@ cpdef object value_span(object data, object key)
 @cython.locals(reader=_Reader)
 cpdef object read_at(bytes data, Py_ssize_t start, Py_ssize_t end, Py_ssize_t max_str)
 
-@cython.locals(code=cython.int, value=cython.ulonglong, index=cython.Py_ssize_t)
+@cython.locals(code=cython.int)
 cpdef object uint_at(bytes data, Py_ssize_t start, Py_ssize_t end)
+
+@cython.locals(index=cython.Py_ssize_t, value=cython.ulonglong)
+cdef inline unsigned long long _read_be(bytes data, Py_ssize_t start, Py_ssize_t width) except? 0xFFFFFFFFFFFFFFFF
 
 @cython.locals(end=cython.Py_ssize_t, code=cython.int, size=cython.Py_ssize_t)
 cpdef Py_ssize_t value_end(bytes data, Py_ssize_t start, Py_ssize_t limit) except? -2

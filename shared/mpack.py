@@ -122,8 +122,13 @@ def uint_at(data, start, end):
         return code if end == start + 1 else -1
     if not (0xCC <= code <= 0xCF and end == start + 1 + (1 << (code - 0xCC))):
         return -1
+    return _read_be(data, start + 1, end - start - 1)
+
+
+def _read_be(data, start, width):
+    """The big-endian unsigned int in the ``width`` bytes of ``data`` from ``start``."""
     value = 0
-    for index in range(start + 1, end):  # big-endian
+    for index in range(start, start + width):
         value = (value << 8) | data[index]
     return value
 
@@ -183,12 +188,7 @@ class _Reader:
 
     def uint(self, width):
         """A big-endian unsigned int of 1, 2 or 4 bytes (8 go through struct: they are rare)."""
-        start = self.take(width)
-        data = self.data
-        value = 0
-        for index in range(start, start + width):
-            value = (value << 8) | data[index]
-        return value
+        return _read_be(self.data, self.take(width), width)
 
     def read(self, depth):
         if depth > self.max_depth:

@@ -158,16 +158,16 @@ class WorkerServer:
         try:
             with self._on_stream():
                 results, compute_us = self._forward([call.member])
-                self._answer_result(call, results[0], compute_us, 1)
+                self._answer_result(call, results[0], compute_us)
         except Exception as exc:
             self._answer_failure(call.rid, call.client_id, exc)
 
-    def _answer_result(self, call: "Call", result: "Outputs | Exception", compute_us: int,
-                       batch: int) -> None:
+    def _answer_result(self, call: "Call", result: "Outputs | Exception", compute_us: int) -> None:
+        """One request run alone: its ``result`` message (a batch's go in one ``results``)."""
         if isinstance(result, Exception):  # its own postprocess raised
             self._answer_failure(call.rid, call.client_id, result)
         else:
-            self._answer(call, result.tree, result.leaves, compute_us, batch)
+            self._answer(call, result.tree, result.leaves, compute_us)
 
     def _result_parts(self, call: "Call", result: "Outputs | Exception") -> tuple:
         """A batch member's answer: (rid, ok, code, [reply header, payload...])."""
@@ -304,12 +304,12 @@ class WorkerServer:
     def _on_stream(self):
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
-    def _answer(self, call: "Call", tree: Any, leaves: list, compute_us: int, batch: int) -> None:
+    def _answer(self, call: "Call", tree: Any, leaves: list, compute_us: int) -> None:
         """The client's reply header, written here: the supervisor relays it as it is (adding
         only its own timing)."""
         reply = self._reply_parts(call, tree, leaves)
         envelope = {"type": protocol.RESULT, "rid": call.rid, "ok": True,
-                    "compute_us": compute_us, "batch": batch}
+                    "compute_us": compute_us, "batch": 1}
         if call.client_id is None and self.device.type == "cuda":  # the probe: memory after it
             envelope["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
         parts = [self.pack(envelope)]
