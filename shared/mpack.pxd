@@ -3,6 +3,7 @@
 # types and which functions are called the C way).
 
 cimport cython
+from cpython.bytes cimport PyBytes_FromStringAndSize
 
 cdef Py_ssize_t _CACHED_BELOW, _CACHE_SLOTS
 cdef list _cached_raw, _cached_text
@@ -61,8 +62,11 @@ cpdef object unpack(object data, bint strict, Py_ssize_t max_str, Py_ssize_t max
 cpdef bytes pack(object value)
 
 cdef list _FIXINTS
-cdef object _PACK_U8, _PACK_U16, _PACK_U32, _PACK_U64
+cdef bint COMPILED
+@cython.locals(buf=cython.uchar[9])
 cpdef bytes pack_uint(object value)
+@cython.locals(width=cython.Py_ssize_t, end=cython.Py_ssize_t, index=cython.Py_ssize_t)
+cdef Py_ssize_t put_uint(unsigned char *data, Py_ssize_t pos, unsigned long long value) noexcept
 
 cdef int _write(bytearray out, object value, int depth) except -1
 cdef int _write_int(bytearray out, object value) except -1

@@ -26,6 +26,11 @@ from __future__ import annotations
 
 import struct
 
+try:
+    import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
+except ImportError:
+    cython = None  # uncompiled without Cython: only the compiled branch of _uint_bytes uses it
+
 # Nesting: a header's tensor tree may be MAX_TREE_DEPTH (16) deep, each level two msgpack levels
 # ({"tuple": [...]}); past 64 it is refused here, well within Python's recursion limit, so the
 # uncompiled path refuses exactly what the compiled one does (msgpack-python's limit is 1024).
@@ -41,10 +46,6 @@ _F32 = struct.Struct(">f")
 _F64 = struct.Struct(">d")
 _U64 = struct.Struct(">Q")
 _I64 = struct.Struct(">q")
-_PACK_U8 = struct.Struct(">BB").pack
-_PACK_U16 = struct.Struct(">BH").pack
-_PACK_U32 = struct.Struct(">BI").pack
-_PACK_U64 = struct.Struct(">BQ").pack
 
 
 class Malformed(ValueError):
@@ -338,20 +339,46 @@ def pack(value):
 
 def pack_uint(value):
     """A non-negative int below 2**64 (a request's rid, a time in microseconds): the hot path's
-    shortcut, no buffer made. An int out of that range is an OverflowError."""
-    if value < 0:
+    shortcut. An int out of that range is an OverflowError."""
+    if not 0 <= value <= 0xFFFFFFFFFFFFFFFF:
         raise OverflowError("Integer value out of range")
     if value <= 0x7F:
         return _FIXINTS[value]
+    if COMPILED:  # written into 9 bytes on the C stack, then one bytes object: no struct call
+        return PyBytes_FromStringAndSize(cython.cast(cython.p_char, buf), put_uint(buf, 0, value))
+    out = bytearray(9)
+    return bytes(out[:put_uint(out, 0, value)])
+
+
+def put_uint(data, pos, value):
+    """``value`` (0 <= value < 2**64) in msgpack's shortest unsigned form, written into ``data``
+    (compiled: a C buffer; uncompiled: a bytearray) from ``pos``, which must leave 9 bytes of
+    room; where the written bytes end."""
+    if value <= 0x7F:
+        data[pos] = value
+        return pos + 1
     if value <= 0xFF:
-        return _PACK_U8(0xCC, value)
-    if value <= 0xFFFF:
-        return _PACK_U16(0xCD, value)
-    if value <= 0xFFFFFFFF:
-        return _PACK_U32(0xCE, value)
-    return _PACK_U64(0xCF, value)
+        data[pos] = 0xCC
+        width = 1
+    elif value <= 0xFFFF:
+        data[pos] = 0xCD
+        width = 2
+    elif value <= 0xFFFFFFFF:
+        data[pos] = 0xCE
+        width = 4
+    else:
+        data[pos] = 0xCF
+        width = 8
+    end = pos + 1 + width
+    index = end - 1
+    while index > pos:
+        data[index] = value & 0xFF
+        value >>= 8
+        index -= 1
+    return end
 
 
+COMPILED = not __file__.endswith(".py")
 _FIXINTS = [bytes((value,)) for value in range(0x80)]
 
 

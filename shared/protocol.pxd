@@ -3,7 +3,10 @@
 # request path calls the C way, from this module and from those that cimport it).
 
 cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.string cimport memcpy
 
+cimport modelwarden.shared.mpack as mpack
 from modelwarden.shared.mpack cimport (pack as pack_value, pack_uint, read_at, uint_at,
                                       unpack as read_msgpack, value_end, value_span)
 
@@ -61,7 +64,17 @@ cdef _walk_tree(object node, Py_ssize_t n_tensors, set seen, int depth)
 cpdef InferRequest parse_infer(dict header, Py_ssize_t n_frames)
 cpdef frame_lengths_match(object tensors, object payload)
 @cython.locals(first=cython.int)
+@cython.locals(entry=cython.uchar[96], end=cython.Py_ssize_t, size=cython.Py_ssize_t,
+               data=cython.p_char)
 cpdef bytes add_timing(object packed, object queue_us, object compute_us, object total_us, object batch)
-cpdef bytes _pack_count(object value)
+cdef bint _is_count(object value) except -1
+@cython.locals(pos=cython.Py_ssize_t)
+cdef Py_ssize_t _put_timing(unsigned char *data, unsigned long long queue_us,
+                            unsigned long long compute_us, unsigned long long total_us,
+                            unsigned long long batch) noexcept
+@cython.locals(size=cython.Py_ssize_t)
+cdef Py_ssize_t _put_bytes(unsigned char *data, Py_ssize_t pos, bytes value) noexcept
+cdef Py_ssize_t _TIMING_ROOM
+cdef bint COMPILED
 @cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list)
 cpdef object read_timing(bytes packed, Py_ssize_t start)

@@ -16,6 +16,11 @@ from typing import Any, NamedTuple
 
 import msgpack
 
+try:
+    import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
+except ImportError:
+    cython = None  # uncompiled without Cython: only add_timing's compiled branch uses it
+
 import modelwarden.shared.mpack as mpack
 from modelwarden.shared.mpack import (pack as pack_value, pack_uint, read_at, uint_at,
                                      unpack as read_msgpack, value_end, value_span)
@@ -170,18 +175,62 @@ _COMPUTE_KEY = pack_value("compute_us")
 _TOTAL_KEY = pack_value("total_us")
 _BATCH_KEY = pack_value("batch")
 _COUNT_KEYS = (None, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY)  # what precedes each count
+# The timing entry's most bytes: its keys, and four counts of at most 9 bytes each.
+_TIMING_ROOM = len(_TIMING_KEY) + len(_COMPUTE_KEY) + len(_TOTAL_KEY) + len(_BATCH_KEY) + 4 * 9
+if _TIMING_ROOM > 96:  # the C buffer add_timing writes the entry into (protocol.pxd)
+    raise ImportError(f"the timing entry needs {_TIMING_ROOM} bytes; add_timing's buffer has 96")
+COMPILED = not __file__.endswith(".py")
 
 
 def add_timing(packed, queue_us: int, compute_us: Any, total_us: int, batch: Any) -> bytes:
     """``add_to_map(packed, "timing", {"queue_us": ..., "compute_us": ..., "total_us": ...,
-    "batch": ...})``, byte for byte, with the keys packed once: every answer gets one."""
+    "batch": ...})``, byte for byte, with the keys packed once: every answer gets one. Compiled,
+    the entry is written on the C stack and the answer is one new bytes object."""
     first = packed[0]
-    if not 0x80 <= first < 0x8F:
+    if not (0x80 <= first < 0x8F and _is_count(queue_us) and _is_count(compute_us)
+            and _is_count(total_us) and _is_count(batch)):
         return add_to_map(packed, "timing", {"queue_us": queue_us, "compute_us": compute_us,
                                              "total_us": total_us, "batch": batch})
-    return b"".join((_FIXMAPS[first + 1 - 0x80], packed[1:], _TIMING_KEY, pack_uint(queue_us),
-                     _COMPUTE_KEY, _pack_count(compute_us), _TOTAL_KEY, pack_uint(total_us),
-                     _BATCH_KEY, _pack_count(batch)))
+    if COMPILED and type(packed) is bytes:
+        end = _put_timing(entry, queue_us, compute_us, total_us, batch)
+        size = PyBytes_GET_SIZE(packed)
+        out = PyBytes_FromStringAndSize(cython.NULL, size + end)
+        data = PyBytes_AS_STRING(out)
+        memcpy(data, PyBytes_AS_STRING(packed), size)
+        memcpy(data + size, entry, end)
+        data[0] = first + 1
+        return out
+    written = bytearray(_TIMING_ROOM)
+    end = _put_timing(written, queue_us, compute_us, total_us, batch)
+    return b"".join((_FIXMAPS[first + 1 - 0x80], packed[1:], written[:end]))
+
+
+def _is_count(value: Any) -> bool:
+    """What the timing entry holds as a rule: an int in msgpack's unsigned range."""
+    return type(value) is int and 0 <= value <= 0xFFFFFFFFFFFFFFFF
+
+
+def _put_timing(data, queue_us, compute_us, total_us, batch):
+    """The ``timing`` key and map, written into ``data`` (compiled: a C buffer of _TIMING_ROOM
+    bytes; uncompiled: a bytearray) from its start; where they end."""
+    pos = _put_bytes(data, 0, _TIMING_KEY)
+    pos = mpack.put_uint(data, pos, queue_us)
+    pos = _put_bytes(data, pos, _COMPUTE_KEY)
+    pos = mpack.put_uint(data, pos, compute_us)
+    pos = _put_bytes(data, pos, _TOTAL_KEY)
+    pos = mpack.put_uint(data, pos, total_us)
+    pos = _put_bytes(data, pos, _BATCH_KEY)
+    return mpack.put_uint(data, pos, batch)
+
+
+def _put_bytes(data, pos, value):
+    """``value`` copied into ``data`` from ``pos``; where it ends."""
+    size = len(value)
+    if COMPILED:
+        memcpy(data + pos, PyBytes_AS_STRING(value), size)
+    else:
+        data[pos:pos + size] = value
+    return pos + size
 
 
 def read_timing(packed: bytes, start: int) -> dict | None:
@@ -208,11 +257,6 @@ def read_timing(packed: bytes, start: int) -> dict | None:
     if pos != len(packed):
         return None
     return {"queue_us": counts[0], "compute_us": counts[1], "total_us": counts[2], "batch": counts[3]}
-
-
-def _pack_count(value: Any) -> bytes:
-    """A value a worker reported (an int, as a rule): the short way when it is one."""
-    return pack_uint(value) if type(value) is int and value >= 0 else pack_value(value)
 
 
 def unpack_header(buf, strict: bool = True) -> dict:

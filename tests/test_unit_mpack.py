@@ -170,6 +170,12 @@ def test_pack_uint_writes_the_smallest_form():
         assert mpack.pack_uint(value) == msgpack.packb(value)
 
 
+@pytest.mark.parametrize("value", [-1, -2**63, 2**64, 2**70])
+def test_pack_uint_refuses_what_is_not_a_uint64(value):
+    with pytest.raises(OverflowError):
+        mpack.pack_uint(value)
+
+
 def test_subclasses_of_str_int_and_dict_are_written_as_their_base():
     import enum
 

@@ -665,6 +665,32 @@ def test_the_cache_is_bounded_and_starts_afresh():
     assert cache.parse(big, 1) is None  # too long to remember
 
 
+COUNTS = [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
+
+
+@pytest.mark.parametrize("header", [
+    {"id": 9, "ok": True, "outputs": 0, "worker": "m#0"},  # a fixmap with room for timing
+    {"id": 9, "ok": False, "error": {"code": "BAD_INPUT", "message": "no"}},
+    {f"k{index}": index for index in range(15)},  # a full fixmap: the map grows a map16
+])
+def test_add_timing_writes_what_msgpack_writes_for_the_map_with_timing(header):
+    packed = msgpack.packb(header)
+    odd = [None, -1, 1.5, 2**64, "x"]  # what a broken worker may report instead of a count
+    for index, count in enumerate(COUNTS + odd):
+        queue_us, total_us = COUNTS[index % len(COUNTS)], COUNTS[-1 - index % len(COUNTS)]
+        timing = {"queue_us": queue_us, "compute_us": count, "total_us": total_us,
+                  "batch": COUNTS[(index + 3) % len(COUNTS)]}
+        if count == 2**64:  # msgpack cannot write it either
+            with pytest.raises(OverflowError):
+                protocol.add_timing(packed, queue_us, count, total_us, timing["batch"])
+            continue
+        expected = msgpack.packb({**header, "timing": timing})
+        assert protocol.add_timing(packed, queue_us, count, total_us, timing["batch"]) == expected
+        # a header frame may arrive as any buffer (a large one stays in libzmq's memory)
+        assert protocol.add_timing(memoryview(packed), queue_us, count, total_us,
+                                   timing["batch"]) == expected
+
+
 # -- ReplyCache: the parse of a reply header seen before, but for its id and timing -------------
 
 

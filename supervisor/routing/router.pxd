@@ -25,6 +25,7 @@ cdef class Router:
     cdef public dict pending, services
     cdef public InferCache parses
     cdef dict _by_pool
+    cdef list _wanted
     cdef public list observers
     cdef public Deadlines deadlines
     cdef public RequestBytes request_bytes
@@ -45,6 +46,7 @@ cdef class Router:
     cpdef tuple _check_regions(self, object frontend, InferRequest parsed)
     @cython.locals(quotas=Quotas)
     cpdef _take_budgets(self, object connection, object identity, Py_ssize_t nbytes)
+    @cython.locals(service=ModelService, wanted=list)
     cpdef dispatch_wanted(self)
     @cython.locals(service=ModelService, members=list, now=cython.double, handle=WorkerHandle,
                    request=Request)

@@ -20,9 +20,9 @@ import zmq
 
 from modelwarden.shared import fdchannel, protocol
 from modelwarden.shared.mpack import pack_uint
-from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER, OVERLOADED,
-                                         SHUTTING_DOWN, SIGNATURE, TIMEOUT, UNKNOWN_MODEL,
-                                         InferCache, ProtocolError, add_timing,
+from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER,
+                                         OUT_OF_MEMORY, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
+                                         TIMEOUT, UNKNOWN_MODEL, InferCache, ProtocolError, add_timing,
                                          frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
@@ -92,6 +92,7 @@ class Router:
         self.services: dict[str, ModelService] = {}  # model name -> its request state (service_of)
         self.parses = InferCache()  # infer headers seen before, but for their id
         self._by_pool: dict = {}  # ModelPool -> its ModelService, until the pool is forgotten
+        self._wanted: list = []  # the services whose ``wanted`` was set this round
         self._next_rid = 1
         self.deadlines = Deadlines(host.timers, host.clock, self.expire)
         daemon = host.settings.daemon
@@ -253,7 +254,10 @@ class Router:
         """Dispatch every pool whose workers freed up since the last call (the loop calls it
         once per poll round: results that arrive together free their workers before any of
         them takes the next batch, so the batch is as full as the queue allows)."""
-        for service in list(self.services.values()):
+        if not self._wanted:
+            return
+        wanted, self._wanted = self._wanted, []
+        for service in wanted:
             if service.wanted is not None:
                 pool, service.wanted = service.wanted, None
                 self.dispatch(pool)
@@ -392,7 +396,7 @@ class Router:
             self._judge_probe(pool, handle, request, envelope, frames)
         else:
             self._relay_result(handle, request, envelope, frames)
-        if envelope.get("code") == protocol.OUT_OF_MEMORY:
+        if envelope.get("code") == OUT_OF_MEMORY:
             # An allocator that failed once (fragmented CUDA cache, a heap at its limit) is not
             # trusted with the next request: a fresh process takes the slot, replace before retire.
             pool.replace(handle, "out of memory in forward")
@@ -401,6 +405,8 @@ class Router:
         service = self.service_of(pool)
         if service.probes and handle.state is _READY:
             self._probe_if_due(service, handle, self.host.clock())
+        if service.wanted is None:
+            self._wanted.append(service)
         service.wanted = pool
 
     def on_results(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict,
