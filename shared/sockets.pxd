@@ -53,6 +53,37 @@ cdef extern from *:
         dlclose(module);
         return -1;
     }
+
+    /* pyzmq's Socket keeps its libzmq handle and its closed flag behind two attributes of its
+       Cython base class, both getset descriptors: `underlying` (a property) and `_closed` (a
+       public field). Read through their C getters, they skip zmq.Socket's attribute lookup,
+       which passes through the __getattr__ hook of its sockopt sugar on every read. */
+    static PyTypeObject *mw_socket_type;
+    static PyGetSetDef *mw_underlying, *mw_closed;
+
+    static PyGetSetDef *mw_getset_of(PyTypeObject *type, const char *name) {
+        PyObject *descr = PyDict_GetItemString(type->tp_dict, name);  /* borrowed */
+        if (descr == NULL || !PyObject_TypeCheck(descr, &PyGetSetDescr_Type)) return NULL;
+        PyGetSetDef *def = ((PyGetSetDescrObject *)descr)->d_getset;
+        return def->get != NULL ? def : NULL;
+    }
+
+    /* 0 once both getters are found on `type` (pyzmq's Cython Socket), -1 if either is not. */
+    static int mw_bind_socket_type(PyObject *type) {
+        if (!PyType_Check(type)) return -1;
+        mw_underlying = mw_getset_of((PyTypeObject *)type, "underlying");
+        mw_closed = mw_getset_of((PyTypeObject *)type, "_closed");
+        if (mw_underlying == NULL || mw_closed == NULL) return -1;
+        Py_INCREF(type);
+        mw_socket_type = (PyTypeObject *)type;
+        return 0;
+    }
+
+    /* The attribute `def` names, read on `socket` (an instance of mw_socket_type): a new
+       reference, or NULL with an exception set. */
+    static PyObject *mw_read(PyObject *socket, PyGetSetDef *def) {
+        return def->get(socket, def->closure);
+    }
     """
     ctypedef struct mw_msg_t:
         pass
@@ -76,6 +107,14 @@ cdef extern from *:
     int zmq_errno "mw_zmq_errno"()
     int zmq_poll "mw_zmq_poll"(mw_pollitem_t *, int, long) nogil
     int mw_bind_libzmq(const char *path)
+    ctypedef struct PyGetSetDef:
+        pass
+    PyGetSetDef *mw_underlying
+    PyGetSetDef *mw_closed
+    int mw_bind_socket_type(object type)
+    bint mw_is_socket "PyObject_TypeCheck"(object obj, void *type)
+    void *mw_socket_type
+    object mw_read(object socket, PyGetSetDef *definition)
 
 
 cdef class Poller:

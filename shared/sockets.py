@@ -158,7 +158,13 @@ class Part:
 
 def _handle(socket):
     # pyzmq's own send and recv check ``_closed`` (set by close() and Context.destroy()); its
-    # ``closed`` property asks libzmq again (a getsockopt) on every call.
+    # ``closed`` property asks libzmq again (a getsockopt) on every call. A pyzmq Socket's two
+    # attributes are read through their C getters (sockets.pxd: mw_read), anything else's (a
+    # socket-like object of another backend) by name.
+    if mw_socket_type != cython.NULL and mw_is_socket(socket, mw_socket_type):
+        if mw_read(socket, mw_closed):
+            raise zmq.ZMQError(_errno.ENOTSOCK)
+        return mw_read(socket, mw_underlying)
     if socket._closed:
         raise zmq.ZMQError(_errno.ENOTSOCK)
     return socket.underlying
@@ -380,6 +386,7 @@ def _bind_libzmq():
 
     if mw_bind_libzmq(_zmq.__file__.encode()) < 0:
         raise ImportError(f"modelwarden.shared.sockets: libzmq not found through {_zmq.__file__}")
+    mw_bind_socket_type(_zmq.Socket)  # -1 (a pyzmq without those getters): read them by name
 
 
 if COMPILED:
