@@ -10,7 +10,8 @@ from cpython.buffer cimport (PyBUF_SIMPLE, Py_buffer, PyBuffer_FillInfo, PyBuffe
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.mem cimport PyMem_Free, PyMem_Realloc
-from libc.string cimport memcpy
+from cpython.unicode cimport PyUnicode_DecodeUTF8
+from libc.string cimport memcpy, strlen
 
 cdef extern from *:
     """

@@ -81,9 +81,12 @@ def recv_message(socket, flags=0):
 
 def recv_routed(socket, prop):
     """The next waiting message (NOBLOCK) and the message property ``prop`` libzmq attached
-    (``"Peer-Address"``, ``"User-Id"``), "" when it has none; None when nothing is waiting."""
+    (``"Peer-Address"``, ``"User-Id"``; str or its ASCII bytes, which a loop can encode once),
+    as a str, "" when it has none; None when nothing is waiting."""
+    if type(prop) is not bytes:
+        prop = prop.encode()
     if COMPILED:
-        return _recv_c(socket, _NOBLOCK, prop.encode(), 0)
+        return _recv_c(socket, _NOBLOCK, prop, 0)
     return _recv_py(socket, _NOBLOCK, prop)
 
 
@@ -202,7 +205,8 @@ def _recv_c(socket, flags, prop, writable):
             raise zmq.ZMQError(code)  # a part missing from the middle of a message: never seen
         if prop is not None and not parts:
             found = zmq_msg_gets(cython.address(msg), prop)
-            value = found.decode(errors="replace") if found != cython.NULL else ""
+            value = (PyUnicode_DecodeUTF8(found, strlen(found), b"replace")
+                     if found != cython.NULL else "")
         more = zmq_msg_more(cython.address(msg))
         size = zmq_msg_size(cython.address(msg))
         if size < _COPY_BELOW and not writable:

@@ -70,15 +70,20 @@ class Intake:
         host = self.host
         sock = host.frontends[index]
         transport = host.frontend_transports[index]
-        prop = property_of(transport)
+        prop = property_of(transport).encode()
         max_bytes = host.settings.daemon.max_message_bytes
+        last_raw = None  # one peer's messages often come in a row: its identity is parsed once
+        peer = None
         for _ in range(DRAIN_MAX):
             received = recv_routed(sock, prop)
             if received is None:
                 return
             frames, raw = received
+            if raw != last_raw:
+                last_raw = raw
+                peer = of_property(raw, transport)
             try:
-                self.client_message(index, sock, frames, of_property(raw, transport), max_bytes)
+                self.client_message(index, sock, frames, peer, max_bytes)
             except Exception:
                 logger.exception("error handling a client message")
                 self.router.send_error(sock, reply_route(frames), None, INTERNAL,
