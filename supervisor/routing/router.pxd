@@ -39,7 +39,7 @@ cdef class Router:
     cpdef accept_infer(self, object socket, object connection, Envelope envelope, dict header,
                        object identity=*)
     @cython.locals(request=Request, service=ModelService, queue=object, timeout=cython.double,
-                   nbytes=cython.Py_ssize_t, now=cython.double)
+                   nbytes=cython.Py_ssize_t, now=cython.double, waiting=cython.bint)
     cpdef accept_parsed(self, object socket, object connection, Envelope envelope,
                         InferRequest parsed, object identity=*)
     cpdef _refuse(self, object socket, Envelope envelope, object request_id, object pool, object exc)

@@ -189,10 +189,16 @@ class Router:
                 request.batch_key, request.rows = key
             request.queued_under_load = (bool(queue)
                                          or least_loaded(pool.slots, service.max_inflight) is None)
+        waiting = bool(queue)
         self.pending[request.rid] = request
         self.deadlines.add(request, timeout)
         queue.append(request)
-        self.dispatch(pool)  # at once: a lone request on a pool with a free worker never waits
+        # At once: a lone request on a pool with a free worker never waits. Behind others it
+        # waits its turn: dispatch left them queued because no worker had room, and whatever
+        # frees one dispatches (a result at the end of its round, a worker READY, a death, the
+        # tick). A batch is another matter: this request may be the one that fills it.
+        if not waiting or service.batch_enabled:
+            self.dispatch(pool)
 
     def _refuse(self, socket, envelope, request_id, pool, exc: ProtocolError) -> None:
         """Answer a request refused at intake with its typed error (the observers see it)."""
