@@ -3,7 +3,10 @@
 # types and which functions are called the C way).
 
 cimport cython
-from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.unicode cimport PyUnicode_AsUTF8AndSize
+from libc.string cimport memcpy
 
 cdef Py_ssize_t _CACHED_BELOW, _CACHE_SLOTS
 cdef list _cached_raw, _cached_text
@@ -58,7 +61,7 @@ cpdef Py_ssize_t value_end(bytes data, Py_ssize_t start, Py_ssize_t limit) excep
 cpdef object unpack(object data, bint strict, Py_ssize_t max_str, Py_ssize_t max_bin,
                     Py_ssize_t max_len)
 
-@cython.locals(out=bytearray)
+@cython.locals(out=_Writer)
 cpdef bytes pack(object value)
 
 cdef list _FIXINTS
@@ -68,17 +71,37 @@ cpdef bytes pack_uint(object value)
 @cython.locals(width=cython.Py_ssize_t, end=cython.Py_ssize_t, index=cython.Py_ssize_t)
 cdef Py_ssize_t put_uint(unsigned char *data, Py_ssize_t pos, unsigned long long value) noexcept
 
-cdef int _write(bytearray out, object value, int depth) except -1
-cdef int _write_int(bytearray out, object value) except -1
+cdef Py_ssize_t _FIRST_BYTES
 
-@cython.locals(shift=cython.int)
-cdef int _write_be(bytearray out, unsigned long long value, int width) except -1
+
+cdef class _Writer:
+    cdef unsigned char *data
+    cdef Py_ssize_t size, capacity
+    cdef unsigned char first[256]
+    cdef bytearray out
+
+    cdef int byte(self, int value) except -1
+    cdef int raw(self, bytes value) except -1
+    cdef int chars(self, const char *text, Py_ssize_t size) except -1
+    @cython.locals(index=cython.Py_ssize_t)
+    cdef int be(self, unsigned long long value, Py_ssize_t width) except -1
+    @cython.locals(capacity=cython.Py_ssize_t, data=cython.p_uchar)
+    cdef int grow(self, Py_ssize_t more) except -1
+    cdef int uint(self, unsigned long long value) except -1
+    cdef bytes result(self)
+
+
+@cython.locals(kind=type)
+cdef int _write(_Writer out, object value, int depth) except -1
+cdef int _write_map(_Writer out, dict value, int depth) except -1
+cdef int _write_array(_Writer out, object value, int depth) except -1
+cdef int _write_int(_Writer out, object value) except -1
+
+@cython.locals(data=bytes, size=cython.Py_ssize_t, text=cython.p_const_char)
+cdef int _write_text(_Writer out, str value) except -1
 
 @cython.locals(data=bytes, size=cython.Py_ssize_t)
-cdef int _write_text(bytearray out, str value) except -1
+cdef int _write_binary(_Writer out, object value) except -1
 
-@cython.locals(data=bytes, size=cython.Py_ssize_t)
-cdef int _write_binary(bytearray out, object value) except -1
-
-cdef int _write_length(bytearray out, Py_ssize_t size, int code8, str what) except -1
-cdef int _write_size(bytearray out, Py_ssize_t size, int fix, int code16) except -1
+cdef int _write_length(_Writer out, Py_ssize_t size, int code8, str what) except -1
+cdef int _write_size(_Writer out, Py_ssize_t size, int fix, int code16) except -1
