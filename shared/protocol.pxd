@@ -78,3 +78,8 @@ cdef Py_ssize_t _TIMING_ROOM
 cdef bint COMPILED
 @cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list)
 cpdef object read_timing(bytes packed, Py_ssize_t start)
+cdef tuple _RESULT_KEYS
+cdef dict _RESULT_MAP
+@cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list, key=bytes, data=bytes,
+               header=dict)
+cpdef object read_result(object packed)

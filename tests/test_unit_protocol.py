@@ -691,6 +691,35 @@ def test_add_timing_writes_what_msgpack_writes_for_the_map_with_timing(header):
                                    timing["batch"]) == expected
 
 
+def _result(**fields) -> bytes:
+    return msgpack.packb({"type": "result", "rid": 7, "ok": True, "compute_us": 250, "batch": 1,
+                          **fields})
+
+
+def test_read_result_gives_what_the_full_decode_gives_for_every_count_width():
+    for index, count in enumerate(COUNTS):
+        packed = _result(rid=count, compute_us=COUNTS[-1 - index], batch=COUNTS[index // 2])
+        found = protocol.read_result(packed)
+        assert found == protocol.unpack_header(packed, strict=False), count
+        assert list(found) == ["type", "rid", "ok", "compute_us", "batch"]
+
+
+@pytest.mark.parametrize("packed", [
+    _result(ok=False),  # a failure: the decode reads it (it carries a code)
+    _result(rid=-1),  # a count that is not a uint
+    _result(compute_us=1.5),
+    _result(batch="1"),
+    _result(cuda_bytes=5),  # one more key (a probe on a GPU)
+    msgpack.packb({"type": "result", "ok": True, "rid": 7, "compute_us": 250, "batch": 1}),
+    msgpack.packb({"type": "results", "rid": 7, "ok": True, "compute_us": 250, "batch": 1}),
+    _result() + b"\x00",  # a byte more
+    _result()[:-1],  # a byte less
+    bytearray(_result()),  # not bytes
+])
+def test_read_result_reads_nothing_but_the_workers_success_layout(packed):
+    assert protocol.read_result(packed) is None
+
+
 # -- ReplyCache: the parse of a reply header seen before, but for its id and timing -------------
 
 

@@ -2,8 +2,8 @@
 
 cimport cython
 
-from modelwarden.shared.protocol cimport (Envelope, InferRequest, reply_route, request_id_of,
-                                          split_router_message, unpack_header)
+from modelwarden.shared.protocol cimport (Envelope, InferRequest, read_result, reply_route,
+                                          request_id_of, split_router_message, unpack_header)
 from modelwarden.shared.sockets cimport recv_message, recv_routed, send_parts
 from modelwarden.supervisor.routing.identity cimport of_property
 from modelwarden.supervisor.routing.limits cimport check_message

@@ -20,8 +20,9 @@ from typing import Protocol
 import zmq
 
 from modelwarden.shared.protocol import (BAD_REQUEST, CLIENT_HELLO, INFER, INTERNAL, RESULT,
-                                         RESULTS, SIGNATURE, ProtocolError, pack, reply_route,
-                                         request_id_of, split_router_message, unpack_header)
+                                         RESULTS, SIGNATURE, ProtocolError, pack, read_result,
+                                         reply_route, request_id_of, split_router_message,
+                                         unpack_header)
 from modelwarden.shared.sockets import recv_message, recv_routed, send_parts
 from modelwarden.shared.states import ALIVE
 from modelwarden.supervisor.routing.identity import of_property, property_of
@@ -151,10 +152,12 @@ class Intake:
         if len(frames) >= 3:
             handle = self.workers.get(frames[0])
             if handle is not None and handle.authenticated:
-                try:
-                    header = unpack_header(frames[1], False)
-                except ProtocolError:
-                    header = None  # the Arbiter refuses it, saying why
+                header = read_result(frames[1])  # a success as the worker writes it
+                if header is None:
+                    try:
+                        header = unpack_header(frames[1], False)
+                    except ProtocolError:
+                        header = None  # the Arbiter refuses it, saying why
                 kind = header.get("type") if header is not None else None
                 if kind == RESULT or kind == RESULTS:
                     if handle.state in ALIVE:  # else declared dead: what it says is too late

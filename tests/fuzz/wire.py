@@ -205,6 +205,21 @@ def reply_cache_agrees(frames: list[bytes]) -> None:
 REPLIES = descriptors.ReplyCache()
 
 
+def result_reader_agrees(frames: list[bytes]) -> None:
+    """protocol.read_result (the supervisor's read of a worker's success envelope, in place)
+    against the full decode it stands for: what it reads, the decode gives too."""
+    for frame in frames[1:2]:
+        found = protocol.read_result(frame)
+        if found is None:
+            continue
+        try:
+            decoded = protocol.unpack_header(frame, strict=False)
+        except protocol.ProtocolError:
+            raise AssertionError("read_result read an envelope the full decode refuses") from None
+        if found != decoded or list(found) != list(decoded):
+            raise AssertionError(f"read_result gives {found!r}, the full decode {decoded!r}")
+
+
 def one_input(data: bytes) -> None:
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
@@ -216,6 +231,7 @@ def one_input(data: bytes) -> None:
         against_msgpack(frame)
     cache_agrees(frames)
     reply_cache_agrees(frames)
+    result_reader_agrees(frames)
 
 
 # -- seeds -----------------------------------------------------------------------------------
@@ -283,7 +299,8 @@ def seeds() -> list[bytes]:
         msgpack.packb([]),
     ]
     valid = [_message(infer, f32), _message(strings, text), _message(shm, b"\x00\x00"),
-             _message(reply, f32), _message(None, f32, raw=relayed), _message(failure), _message({"type": "hello", "id": "h"})]
+             _message(reply, f32), _message(None, f32, raw=relayed), _message(failure), _message({"type": "hello", "id": "h"}),
+             _message({"type": "result", "rid": 70000, "ok": True, "compute_us": 250, "batch": 1}, raw=None)]
     return valid + hostile
 
 
