@@ -3,7 +3,8 @@
 # request path calls the C way, from this module and from those that cimport it).
 
 cimport cython
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_FromObject, PyBytes_FromStringAndSize,
+                            PyBytes_GET_SIZE)
 from libc.string cimport memcpy
 
 cimport modelwarden.shared.mpack as mpack
@@ -78,6 +79,7 @@ cdef Py_ssize_t _TIMING_ROOM
 cdef bint COMPILED
 @cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list)
 cpdef object read_timing(bytes packed, Py_ssize_t start)
+cdef bytes _bytes_of(object frame)
 cdef tuple _RESULT_KEYS
 cdef dict _RESULT_MAP
 @cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list, key=bytes, data=bytes,
