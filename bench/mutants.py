@@ -355,8 +355,8 @@ MUTATIONS = [
     M("shm-tensor-bytes", "supervisor/routing/router.py",
       "            if region[2] > daemon.max_shm_tensor_bytes:", "            if False:",
       ("tests/test_attacks.py::test_a_shared_memory_tensor_past_its_byte_limit_is_refused_before_a_worker_maps_it",)),
-    M("request-share", "supervisor/routing/router.py",
-      "        quotas.take(identity, \"requests\")\n", "",
+    M("request-share", "supervisor/routing/quotas.py",
+      "            if requests > limit:\n                raise _refusal(identity, \"requests\", requests - 1, 1, limit)\n", "",
       ("tests/test_unit_router.py::test_an_identity_past_its_share_of_requests_is_overloaded_and_others_are_served",
        "tests/test_curve.py::test_a_curve_client_is_known_by_its_key_and_held_to_its_share")),
     M("worker-map-budget", "worker/segments.py",
@@ -672,7 +672,7 @@ MUTATIONS = [
     # -- the package's floors (issue 22): each rule is its own test, so a floor already broken
     # elsewhere cannot hide these --------------------------------------------------------------
     M("split-reply-unchecked", "shared/protocol.py",
-      "    if len(frames) < start + 2 or bytes(frames[start]) != SIGNATURE:\n",
+      "    if len(frames) < start + 2 or _bytes_of(frames[start]) != SIGNATURE:\n",
       "    if len(frames) < start + 1:\n",
       ("tests/test_unit_protocol.py::test_the_one_reply_splitter_takes_frames_or_bytes_and_refuses_what_is_not_a_reply",)),
     M("wanted-never-dispatched", "supervisor/routing/router.py",

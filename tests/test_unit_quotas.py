@@ -37,6 +37,28 @@ def test_a_share_is_taken_within_its_limit_refused_past_it_and_given_back():
     assert quotas.held == {} and quotas.view() == []
 
 
+def test_a_requests_share_is_taken_whole_or_not_at_all_and_given_back_whole():
+    quotas = Quotas(SHARES)  # 2 requests, 100 bytes each identity
+    quotas.take_request("uid:7", 60)
+    with pytest.raises(ProtocolError) as refused:  # the bytes would pass: nothing is taken
+        quotas.take_request("uid:7", 41)
+    assert refused.value.code == OVERLOADED
+    assert "uid:7 holds 60 bytes of requests in flight; 41 more" in refused.value.message
+    assert "max_request_bytes_per_identity (100)" in refused.value.message
+    assert quotas.holding("uid:7", "requests") == 1 and quotas.holding("uid:7", "request_bytes") == 60
+    quotas.take_request("uid:7", 0)
+    with pytest.raises(ProtocolError) as refused:  # the count would pass
+        quotas.take_request("uid:7", 0)
+    assert "uid:7 holds 2 requests in flight" in refused.value.message
+    quotas.give_back_request("uid:7", 0)
+    quotas.give_back_request("uid:7", 60)
+    assert quotas.held == {}
+    house = Quotas(SHARES, house="uid:0")
+    for _ in range(5):
+        house.take_request("uid:0", 100)
+    assert house.holding("uid:0", "request_bytes") == 500
+
+
 def test_the_house_is_bounded_only_by_the_daemon_wide_caps():
     quotas = Quotas(SHARES, house="uid:0")
     for _ in range(10):

@@ -3,6 +3,7 @@
 cimport cython
 
 cdef dict _INDEX
+cdef Py_ssize_t _REQUESTS, _REQUEST_BYTES
 
 
 cdef class Quotas:
@@ -16,3 +17,8 @@ cdef class Quotas:
     cpdef take(self, object identity, str resource, Py_ssize_t amount=*)
     @cython.locals(held=list, left=cython.Py_ssize_t, index=cython.Py_ssize_t)
     cpdef give_back(self, object identity, str resource, Py_ssize_t amount=*)
+    @cython.locals(held=list, requests=cython.Py_ssize_t, request_bytes=cython.Py_ssize_t,
+                   limit=cython.Py_ssize_t)
+    cpdef take_request(self, object identity, Py_ssize_t nbytes)
+    @cython.locals(held=list, requests=cython.Py_ssize_t, request_bytes=cython.Py_ssize_t)
+    cpdef give_back_request(self, object identity, Py_ssize_t nbytes)

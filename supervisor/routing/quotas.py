@@ -87,6 +87,7 @@ def shares_from(settings: "Settings", connections: int, buffers: int) -> Shares:
 
 
 _INDEX = {resource: index for index, resource in enumerate(RESOURCES)}
+_REQUESTS, _REQUEST_BYTES = _INDEX["requests"], _INDEX["request_bytes"]
 
 
 class Quotas:
@@ -115,12 +116,41 @@ class Quotas:
         now = (held[index] if held is not None else 0) + amount
         limit = self._limits[index]
         if now > limit and identity != self.house:
-            raise ProtocolError(OVERLOADED, f"{identity} holds {now - amount} {_unit(resource)}; "
-                                f"{amount} more would pass {LIMIT_KEYS[resource]} ({limit}); "
-                                "retry later")
+            raise _refusal(identity, resource, now - amount, amount, limit)
         if held is None:
             held = self.held[identity] = [0, 0, 0, 0, 0]
         held[index] = now
+
+    def take_request(self, identity: str, nbytes: int) -> None:
+        """A request's share, both or neither: ``take(identity, "requests")`` and, for inline
+        payload bytes, ``take(identity, "request_bytes", nbytes)``, in one lookup (every request
+        takes both)."""
+        held = self.held.get(identity)
+        requests = (held[_REQUESTS] if held is not None else 0) + 1
+        request_bytes = (held[_REQUEST_BYTES] if held is not None else 0) + nbytes
+        if identity != self.house:
+            limit = self._limits[_REQUESTS]
+            if requests > limit:
+                raise _refusal(identity, "requests", requests - 1, 1, limit)
+            limit = self._limits[_REQUEST_BYTES]
+            if nbytes and request_bytes > limit:
+                raise _refusal(identity, "request_bytes", request_bytes - nbytes, nbytes, limit)
+        if held is None:
+            held = self.held[identity] = [0, 0, 0, 0, 0]
+        held[_REQUESTS] = requests
+        held[_REQUEST_BYTES] = request_bytes
+
+    def give_back_request(self, identity: str, nbytes: int) -> None:
+        """What ``take_request(identity, nbytes)`` took."""
+        held = self.held.get(identity)
+        if held is None:
+            return
+        requests = held[_REQUESTS] - 1
+        request_bytes = held[_REQUEST_BYTES] - nbytes
+        held[_REQUESTS] = requests if requests > 0 else 0
+        held[_REQUEST_BYTES] = request_bytes if request_bytes > 0 else 0
+        if not (held[0] or held[1] or held[2] or held[3] or held[4]):
+            del self.held[identity]
 
     def count(self, identity: str, resource: str, amount: int = 1) -> None:
         """Count what is held already, within its share or not (a connection libzmq accepted
@@ -155,6 +185,11 @@ class Quotas:
                 for identity, held in self.held.items()]
         rows.sort(key=lambda row: tuple(-row[resource] for resource in RESOURCES))
         return rows[:SHOWN_IDENTITIES]
+
+
+def _refusal(identity: str, resource: str, holding: int, amount: int, limit: int) -> ProtocolError:
+    return ProtocolError(OVERLOADED, f"{identity} holds {holding} {_unit(resource)}; {amount} more "
+                         f"would pass {LIMIT_KEYS[resource]} ({limit}); retry later")
 
 
 def _unit(resource: str) -> str:

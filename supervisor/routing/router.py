@@ -213,17 +213,11 @@ class Router:
         """The identity's share of requests and bytes, then the connection's and the daemon's
         bytes; all or nothing."""
         quotas = self.host.quotas
-        quotas.take(identity, "requests")
+        quotas.take_request(identity, nbytes)
         try:
-            if nbytes:
-                quotas.take(identity, "request_bytes", nbytes)
-            try:
-                self.request_bytes.take(connection, nbytes)
-            except ProtocolError:
-                quotas.give_back(identity, "request_bytes", nbytes)
-                raise
+            self.request_bytes.take(connection, nbytes)
         except ProtocolError:
-            quotas.give_back(identity, "requests")
+            quotas.give_back_request(identity, nbytes)
             raise
 
     def _check_regions(self, frontend: int, parsed: protocol.InferRequest) -> tuple:
@@ -479,11 +473,10 @@ class Router:
         request.done = True
         self.deadlines.answered(request, request.timeout)
         self.pending.pop(request.rid, None)
-        quotas = self.host.quotas
         if request.nbytes:
             self.request_bytes.give_back(request.connection, request.nbytes)
-            quotas.give_back(request.identity, "request_bytes", request.nbytes)
-        quotas.give_back(request.identity, "requests")
+        quotas = self.host.quotas
+        quotas.give_back_request(request.identity, request.nbytes)
         # An answered request may wait in its deadline lane a while: it keeps no payload there.
         request.payload = _NO_FRAMES
         request.header_frame = None
