@@ -11,6 +11,7 @@ from modelwarden.supervisor.fleet.handle cimport WorkerHandle
 from modelwarden.supervisor.routing.router cimport Router
 
 cdef int _NOBLOCK
+cdef Py_ssize_t DRAIN_MAX
 
 
 cdef class Intake:
