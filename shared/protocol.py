@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
+import msgpack
+
 try:
     import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
 except ImportError:
@@ -147,14 +149,21 @@ RESULTS = "results"    # worker -> supervisor: the answers to every member of on
 
 
 def pack(header: dict) -> bytes:
-    """``msgpack.packb(header, use_bin_type=True)``'s bytes, written by shared/mpack.py (compiled:
-    about 7,000 instructions for a request header, where packb made a Packer and took 9,000)."""
-    return pack_value(header)
+    """``msgpack.packb(header, use_bin_type=True)``'s bytes. Compiled, written by shared/mpack.py
+    (about 7,000 instructions for a request header, where packb makes a Packer and takes 9,000);
+    uncompiled, by msgpack-python itself, whose C is faster than mpack's Python writer
+    (tests/test_unit_mpack.py holds the two to the same bytes)."""
+    if COMPILED:
+        return pack_value(header)
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def packer():
-    """``pack``, for a loop that keeps its own (it holds no state: any thread may call it)."""
-    return pack_value
+    """``pack`` for one loop's use alone: compiled, mpack's (which holds no state); uncompiled,
+    msgpack's Packer made once, not at every call as packb does."""
+    if COMPILED:
+        return pack_value
+    return msgpack.Packer(use_bin_type=True).pack
 
 
 def add_to_map(packed, key: str, value: Any) -> bytes:
