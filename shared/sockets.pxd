@@ -5,6 +5,7 @@
 # dlsym on pyzmq's own loaded module: mw_bind_libzmq): one libzmq in the process, no zmq.h at
 # build time, no link to a library whose name a wheel's repair step renames.
 
+cimport cython
 from cpython.buffer cimport (PyBUF_SIMPLE, Py_buffer, PyBuffer_FillInfo, PyBuffer_Release,
                              PyObject_CheckBuffer, PyObject_GetBuffer)
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
@@ -19,8 +20,12 @@ cdef extern from *:
     /* libzmq's zmq_msg_t as zmq.h (4.x) lays it out on this ABI: 64 opaque bytes, pointer-aligned. */
     typedef struct { unsigned char _[64] __attribute__((aligned(sizeof(void *)))); } mw_msg_t;
     typedef const char *mw_cstr;
-    /* zmq_pollitem_t as zmq.h lays it out where a descriptor is an int (not Windows). */
-    typedef struct { void *socket; int fd; short events; short revents; } mw_pollitem_t;
+    #include <poll.h>
+    #include <errno.h>
+    typedef struct pollfd mw_pollfd;
+    /* One item of the Poller: a zmq socket's handle (NULL for a plain descriptor), whether it is
+       quiet, whether it must be asked for ZMQ_EVENTS at the next poll, whether it is ready. */
+    typedef struct { void *socket; unsigned char quiet, check, ready; } mw_item_t;
     static int (*mw_zmq_msg_init)(mw_msg_t *);
     static int (*mw_zmq_msg_init_size)(mw_msg_t *, size_t);
     static int (*mw_zmq_msg_send)(mw_msg_t *, void *, int);
@@ -33,7 +38,7 @@ cdef extern from *:
     static int (*mw_zmq_msg_more)(mw_msg_t *);
     static const char *(*mw_zmq_msg_gets)(mw_msg_t *, const char *);
     static int (*mw_zmq_errno)(void);
-    static int (*mw_zmq_poll)(mw_pollitem_t *, int, long);
+    static int (*mw_zmq_getsockopt)(void *, int, void *, size_t *);
 
     /* The functions of the libzmq that the already-loaded module at `path` (pyzmq's extension)
        uses: dlsym on its handle searches it and then the libraries it loaded. 0, or -1 if one
@@ -46,13 +51,30 @@ cdef extern from *:
         MW_BIND(zmq_msg_recv) MW_BIND(zmq_msg_close) MW_BIND(zmq_msg_copy) MW_BIND(zmq_msg_move)
         MW_BIND(zmq_msg_data)
         MW_BIND(zmq_msg_size) MW_BIND(zmq_msg_more) MW_BIND(zmq_msg_gets) MW_BIND(zmq_errno)
-        MW_BIND(zmq_poll)
+        MW_BIND(zmq_getsockopt)
     #undef MW_BIND
         dlclose(module);  /* pyzmq keeps it loaded: this only drops our reference */
         return 0;
     missing:
         dlclose(module);
         return -1;
+    }
+
+    /* 1 if the zmq socket has a message to read, 0 if not, -1 (errno) on an error: ZMQ_EVENTS
+       (15), which first processes the commands the socket's descriptor signalled. */
+    static int mw_readable(void *socket) {
+        int events = 0;
+        size_t size = sizeof(events);
+        if (mw_zmq_getsockopt(socket, 15, &events, &size) < 0) return -1;
+        return (events & 1 /* ZMQ_POLLIN */) != 0;
+    }
+
+    /* The socket's ZMQ_FD (14): readable when libzmq has commands for it; -1 on an error. */
+    static int mw_socket_fd(void *socket) {
+        int fd = -1;
+        size_t size = sizeof(fd);
+        if (mw_zmq_getsockopt(socket, 14, &fd, &size) < 0) return -1;
+        return fd;
     }
 
     /* pyzmq's Socket keeps its libzmq handle and its closed flag behind two attributes of its
@@ -89,11 +111,17 @@ cdef extern from *:
     ctypedef struct mw_msg_t:
         pass
     ctypedef const char *mw_cstr
-    ctypedef struct mw_pollitem_t:
-        void *socket
+    ctypedef struct mw_pollfd:
         int fd
         short events
         short revents
+    ctypedef struct mw_item_t:
+        void *socket
+        unsigned char quiet, check, ready
+    int mw_poll "poll"(mw_pollfd *, unsigned long, int) nogil
+    int errno
+    int mw_readable(void *socket)
+    int mw_socket_fd(void *socket)
     int zmq_msg_init "mw_zmq_msg_init"(mw_msg_t *)
     int zmq_msg_init_size "mw_zmq_msg_init_size"(mw_msg_t *, size_t)
     int zmq_msg_send "mw_zmq_msg_send"(mw_msg_t *, void *, int)
@@ -106,7 +134,6 @@ cdef extern from *:
     int zmq_msg_more "mw_zmq_msg_more"(mw_msg_t *)
     mw_cstr zmq_msg_gets "mw_zmq_msg_gets"(mw_msg_t *, const char *)
     int zmq_errno "mw_zmq_errno"()
-    int zmq_poll "mw_zmq_poll"(mw_pollitem_t *, int, long) nogil
     int mw_bind_libzmq(const char *path)
     ctypedef struct PyGetSetDef:
         pass
@@ -119,12 +146,20 @@ cdef extern from *:
 
 
 cdef class Poller:
-    cdef public list items
+    cdef public list items, quiet
     cdef public bint stale
     cdef Py_ssize_t capacity
-    cdef mw_pollitem_t *c_items
+    cdef long long rounds
+    cdef mw_item_t *c_items
+    cdef mw_pollfd *c_fds
 
+    @cython.locals(count=cython.int, index=cython.int, found=cython.int, rc=cython.int,
+                   wait=cython.int, code=cython.int, every=cython.bint, expired=cython.bint,
+                   deadline=cython.double)
     cdef list _poll_c(self, int timeout)
+    cdef int _readable(self, void *socket) except -1
+    @cython.locals(count=cython.Py_ssize_t, index=cython.Py_ssize_t, fd=cython.int,
+                   handle=cython.p_void)
     cdef int _fill(self) except -1
 
 
@@ -134,7 +169,8 @@ cdef class Part:
     cdef bint writable
 
 
-cdef int _SNDMORE, _NOBLOCK, _POLLIN, _EAGAIN, _EINTR
+cdef int _SNDMORE, _NOBLOCK, _POLLIN, _POLLIN_FD, _EAGAIN, _EINTR
+cdef long long QUIET_CHECK_EVERY
 cdef Py_ssize_t _COPY_BELOW
 
 cpdef send_parts(object socket, list parts)

@@ -18,6 +18,8 @@ combine IntFlag enums in Python for every frame and query RCVMORE through getsoc
 from __future__ import annotations
 
 import errno as _errno
+import os
+from time import monotonic
 
 import zmq
 
@@ -34,6 +36,7 @@ COMPILED = not __file__.endswith(".py")
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_POLLIN_FD = 1  # poll(2)'s POLLIN on Linux
 COPY_BELOW = 65536  # a part this small is copied into bytes: cheaper than keeping libzmq's
 _COPY_BELOW = COPY_BELOW
 _EAGAIN = _errno.EAGAIN
@@ -305,26 +308,43 @@ def _sent_now(msg, handle, flags):
 
 
 class Poller:
-    """``zmq.Poller`` for what the supervisor's loop needs: items (zmq sockets, descriptors,
-    objects with ``fileno()``) registered for reading, and ``poll(timeout_ms)`` answering the
-    list of those ready (None waits for ever). pyzmq's Poller builds its list of items again in
-    Python on every poll; compiled, this one keeps them in a C array between calls, rebuilt only
-    when an item comes or goes, and calls libzmq's zmq_poll with the GIL released. A signal
-    that interrupts the wait runs its handler (which may raise) and answers an empty list.
-    Uncompiled, pyzmq's zmq_poll does the same wait (it waits on after a signal)."""
+    """``zmq.Poller`` for what the loops need: items (zmq sockets, descriptors, objects with
+    ``fileno()``) registered for reading, and ``poll(timeout_ms)`` answering the list of those
+    ready (None waits for ever). A signal that interrupts the wait runs its handler (which may
+    raise) and answers an empty list. Uncompiled, pyzmq's zmq_poll does the wait.
+
+    Compiled, the items stay in C arrays between calls (rebuilt only when one comes or goes) and
+    the wait is one poll(2) with the GIL released, on each zmq socket's ZMQ_FD (read once) and
+    each descriptor. zmq_poll asks every socket for ZMQ_EVENTS on every pass, before and after
+    its wait, and on an idle socket libzmq answers that with two system calls (getpid, then a
+    poll of its mailbox): with the daemon's idle control, admin and monitor sockets that was most
+    of the supervisor's system calls per request. Here a socket registered ``quiet`` (one only
+    ever read or written by its own handler, when reported ready) is asked only when its
+    descriptor signals, when it was reported ready the time before (its handler may have left
+    messages), when a wait runs out, and once every QUIET_CHECK_EVERY polls (so a signal lost
+    to anything else that made libzmq process its commands costs a few rounds, never a hang).
+    Every other zmq socket is asked on every poll, as zmq_poll does, since the loop writes to it
+    between polls (a send may process the commands that its descriptor signalled)."""
 
     def __init__(self):
         self.items = []  # registered, in order
-        self.stale = True  # the C array no longer matches ``items``
+        self.quiet = []  # the registered zmq sockets that are quiet
+        self.stale = True  # the C arrays no longer match ``items``
         self.capacity = 0
+        self.rounds = 0
 
-    def register(self, item):
+    def register(self, item, quiet=False):
         if item not in self.items:
             self.items.append(item)
+            self.stale = True
+        if quiet and isinstance(item, zmq.Socket) and item not in self.quiet:
+            self.quiet.append(item)
             self.stale = True
 
     def unregister(self, item):
         self.items.remove(item)  # ValueError if it was not registered
+        if item in self.quiet:
+            self.quiet.remove(item)
         self.stale = True
 
     def poll(self, timeout=None):
@@ -336,52 +356,114 @@ class Poller:
         return [item for item, key in zip(self.items, keys) if key in ready]
 
     def _poll_c(self, timeout):
-        count = cython.declare(cython.int, len(self.items))
-        rc = cython.declare(cython.int)
-        index = cython.declare(cython.int)
         if self.stale:
             self._fill()
-        with cython.nogil:
-            rc = zmq_poll(self.c_items, count, timeout)
-        if rc < 0:
-            code = zmq_errno()
-            if code == _EINTR:
-                PyErr_CheckSignals()
-                return []
-            raise zmq.ZMQError(code)
-        ready = []
-        if rc > 0:
+        count = len(self.items)
+        items = cython.declare(cython.pointer(mw_item_t), self.c_items)
+        fds = cython.declare(cython.pointer(mw_pollfd), self.c_fds)
+        self.rounds += 1
+        every = self.rounds % QUIET_CHECK_EVERY == 0
+        wait = timeout
+        deadline = monotonic() + timeout / 1000 if timeout > 0 else 0.0
+        while True:
+            found = 0
+            # The sockets that may hold a message their descriptor did not signal.
             for index in range(count):
-                if self.c_items[index].revents:
+                items[index].ready = 0
+                if items[index].socket != cython.NULL and (
+                        not items[index].quiet or items[index].check or every):
+                    items[index].check = 0
+                    if self._readable(items[index].socket):
+                        items[index].ready = 1
+                        found += 1
+            every = False
+            if found:
+                wait = 0  # something to do now: only look at the descriptors
+            with cython.nogil:
+                rc = mw_poll(fds, count, wait)
+            if rc < 0:
+                code = errno
+                if code == _EINTR:
+                    PyErr_CheckSignals()
+                    return []
+                raise OSError(code, os.strerror(code))
+            expired = rc == 0 and wait >= 0
+            for index in range(count):
+                if items[index].ready:
+                    continue
+                if items[index].socket == cython.NULL:
+                    if fds[index].revents:
+                        items[index].ready = 1
+                        found += 1
+                elif fds[index].revents or (expired and items[index].quiet):
+                    if self._readable(items[index].socket):  # commands processed: fd reset
+                        items[index].ready = 1
+                        found += 1
+            if found or expired:
+                break
+            # A descriptor signalled with nothing to read (libzmq had other commands): wait
+            # again for what is left of the timeout.
+            if timeout > 0:
+                wait = max(0, int((deadline - monotonic()) * 1000))
+        ready = []
+        if found:
+            for index in range(count):
+                if items[index].ready:
                     ready.append(self.items[index])
+                    items[index].check = items[index].quiet  # its handler may leave messages
         return ready
 
+    def _readable(self, socket):
+        """1 if the zmq socket has a message to read (ZMQ_EVENTS, which also processes the
+        commands its descriptor signalled, and so resets it), else 0."""
+        readable = mw_readable(socket)
+        if readable < 0:
+            raise zmq.ZMQError(zmq_errno())
+        return readable
+
     def _fill(self):
-        """The C array from ``items``: a zmq socket by its handle, anything else by its fd."""
-        count = cython.declare(cython.Py_ssize_t, len(self.items))
-        index = cython.declare(cython.Py_ssize_t)
+        """The C arrays from ``items``: a zmq socket by its handle and its ZMQ_FD, anything else
+        by its fd. Every quiet socket is asked at the next poll."""
+        count = len(self.items)
         if count > self.capacity:
-            grown = cython.cast(cython.pointer(mw_pollitem_t),
-                                PyMem_Realloc(self.c_items, count * cython.sizeof(mw_pollitem_t)))
+            grown = cython.cast(cython.pointer(mw_item_t),
+                                PyMem_Realloc(self.c_items, count * cython.sizeof(mw_item_t)))
             if grown == cython.NULL:
                 raise MemoryError()
             self.c_items = grown
+            fds = cython.cast(cython.pointer(mw_pollfd),
+                              PyMem_Realloc(self.c_fds, count * cython.sizeof(mw_pollfd)))
+            if fds == cython.NULL:
+                raise MemoryError()
+            self.c_fds = fds
             self.capacity = count
         for index in range(count):
             item = self.items[index]
+            self.c_items[index].ready = 0
             if isinstance(item, zmq.Socket):
-                self.c_items[index].socket = cython.cast(
-                    cython.p_void, cython.cast(cython.size_t, _handle(item)))
-                self.c_items[index].fd = 0
+                handle = cython.cast(cython.p_void, cython.cast(cython.size_t, _handle(item)))
+                self.c_items[index].socket = handle
+                self.c_items[index].quiet = item in self.quiet
+                self.c_items[index].check = 1
+                fd = mw_socket_fd(handle)
+                if fd < 0:
+                    raise zmq.ZMQError(zmq_errno())
             else:
                 self.c_items[index].socket = cython.NULL
-                self.c_items[index].fd = item if isinstance(item, int) else item.fileno()
-            self.c_items[index].events = _POLLIN
-            self.c_items[index].revents = 0
+                self.c_items[index].quiet = 0
+                self.c_items[index].check = 0
+                fd = item if isinstance(item, int) else item.fileno()
+            self.c_fds[index].fd = fd
+            self.c_fds[index].events = _POLLIN_FD
+            self.c_fds[index].revents = 0
         self.stale = False
 
     def __dealloc__(self):
         PyMem_Free(self.c_items)
+        PyMem_Free(self.c_fds)
+
+
+QUIET_CHECK_EVERY = 16  # polls between two questions to every quiet socket, come what may
 
 
 def _bind_libzmq():

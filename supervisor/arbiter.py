@@ -258,7 +258,7 @@ class Arbiter:
                 self._on(sock, functools.partial(self.intake.drain_clients, index))
                 self._watch_connections(sock, endpoint, pausable=True)
             self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
-            self._on(self.control, self._on_control)
+            self._on(self.control, self._on_control, quiet=True)
             self._watch_connections(self.control, self.settings.control_endpoint, pausable=True)
         finally:
             os.umask(old_umask)
@@ -270,7 +270,7 @@ class Arbiter:
         try:
             self.admin = self._router_socket(self.settings.admin_endpoint, client_facing=True,
                                              private=True)
-            self._on(self.admin, self._on_admin)
+            self._on(self.admin, self._on_admin, quiet=True)
             self._watch_connections(self.admin, self.settings.admin_endpoint, pausable=False)
             self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False,
                                                private=True)
@@ -285,11 +285,11 @@ class Arbiter:
             self.zap = auth.ZapHandler(self.context, self.settings.resolve(
                 self.settings.daemon.curve.client_keys), self.clock)
             self.zap.start()
-            self._on(self.zap.zap_socket, self.zap.on_request)
+            self._on(self.zap.zap_socket, self.zap.on_request, quiet=True)
 
     def _watch_connections(self, sock: zmq.Socket, endpoint: str, pausable: bool) -> None:
         monitor = self.connections.watch(sock, endpoint, pausable)
-        self._on(monitor, functools.partial(self.connections.on_monitor, monitor))
+        self._on(monitor, functools.partial(self.connections.on_monitor, monitor), quiet=True)
 
     def _router_socket(self, endpoint: str, client_facing: bool, private: bool = False) -> zmq.Socket:
         sock = self.context.socket(zmq.ROUTER)
@@ -317,8 +317,10 @@ class Arbiter:
                             None if private else self.settings.daemon.shm_group)
         return sock
 
-    def _on(self, item, handler) -> None:
-        self.poller.register(item)
+    def _on(self, item, handler, quiet: bool = False) -> None:
+        """``quiet``: a zmq socket only its handler reads or writes (shared/sockets.Poller): the
+        frontends and the backend are not, since the router writes to them between polls."""
+        self.poller.register(item, quiet)
         self._handlers[item] = handler
 
     def _off(self, item) -> None:
