@@ -314,17 +314,16 @@ class Poller:
     raise) and answers an empty list. Uncompiled, pyzmq's zmq_poll does the wait.
 
     Compiled, the items stay in C arrays between calls (rebuilt only when one comes or goes) and
-    the wait is one poll(2) with the GIL released, on each zmq socket's ZMQ_FD (read once) and
-    each descriptor. zmq_poll asks every socket for ZMQ_EVENTS on every pass, before and after
-    its wait, and on an idle socket libzmq answers that with two system calls (getpid, then a
-    poll of its mailbox): with the daemon's idle control, admin and monitor sockets that was most
-    of the supervisor's system calls per request. Here a socket registered ``quiet`` (one only
-    ever read or written by its own handler, when reported ready) is asked only when its
-    descriptor signals, when it was reported ready the time before (its handler may have left
-    messages), when a wait runs out, and once every QUIET_CHECK_EVERY polls (so a signal lost
-    to anything else that made libzmq process its commands costs a few rounds, never a hang).
-    Every other zmq socket is asked on every poll, as zmq_poll does, since the loop writes to it
-    between polls (a send may process the commands that its descriptor signalled)."""
+    the wait is one poll(2) with the GIL released, on each zmq socket's ZMQ_FD (read once, where
+    zmq_poll reads it again at every call) and each descriptor. zmq_poll also asks every socket
+    for ZMQ_EVENTS on every pass, before and after its wait; here a socket registered ``quiet``
+    (one only ever read or written by its own handler, when reported ready) is asked only when
+    its descriptor signals, when it was reported ready the time before (its handler may have
+    left messages), when a wait runs out, and once every QUIET_CHECK_EVERY polls (so a signal
+    lost to anything else that made libzmq process its commands costs a few rounds, never a
+    hang). Every other zmq socket is asked on every poll, as zmq_poll does, since the loop
+    writes to it between polls (a send may process the commands its descriptor signalled). In
+    the supervisor that halves the poll's instructions per request."""
 
     def __init__(self):
         self.items = []  # registered, in order

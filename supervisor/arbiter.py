@@ -1,7 +1,7 @@
 """The supervisor's loop: one ``poll()`` per pass, its timeout the nearest deadline.
 
-Each pass drains what each readable socket holds, up to a bound per socket (zmq_poll is
-level-triggered, so the next pass sees whatever is left), which keeps every socket served in
+Each pass drains what each readable socket holds, up to a bound per socket (the poller is
+level-triggered, shared/sockets.Poller, so the next pass sees whatever is left), which keeps every socket served in
 turn; client and worker messages are drained by supervisor/routing/intake.py, compiled.
 Everything that happens is an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
 message (raw Unix sockets, ``supervisor/routing/bufferserver.py``), a worker

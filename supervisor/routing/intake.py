@@ -4,8 +4,8 @@ results to the router. What is not per request goes back to the Arbiter: a clien
 and every worker message but an authenticated worker's result or results (its hello, state,
 heartbeat, failure, and anything the backend gate refuses: ``Arbiter.worker_message``).
 
-Each drain takes at most DRAIN_MAX messages from its socket (zmq_poll is level-triggered, so the
-next round sees whatever is left), which keeps every socket served in turn. Client messages
+Each drain takes at most DRAIN_MAX messages from its socket (the poller is level-triggered, so
+the next round sees whatever is left), which keeps every socket served in turn. Client messages
 arrive through shared/sockets.py, small frames as bytes, with the property that names their
 sender; a message is checked (frames and bytes), split, and its header parsed strictly before
 anything else is read of it. A bug while handling one message is logged and answered INTERNAL;
