@@ -378,8 +378,14 @@ def bench_modelwarden(workdir: Path, sizes, iterations) -> dict:
 
 
 def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of every thread of ``pid`` so far (/proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def cpu_per_request(supervisor: int, workdir: Path, client, count: int = 3000) -> dict:

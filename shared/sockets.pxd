@@ -155,9 +155,10 @@ cdef class Poller:
 
     @cython.locals(count=cython.int, index=cython.int, found=cython.int, rc=cython.int,
                    wait=cython.int, code=cython.int, every=cython.bint, expired=cython.bint,
-                   deadline=cython.double)
+                   deadline=cython.double, readable=cython.int)
     cdef list _poll_c(self, int timeout)
-    cdef int _readable(self, void *socket) except -1
+    @cython.locals(readable=cython.int, code=cython.int)
+    cdef int _readable(self, void *socket) except -2
     @cython.locals(count=cython.Py_ssize_t, index=cython.Py_ssize_t, fd=cython.int,
                    handle=cython.p_void)
     cdef int _fill(self) except -1

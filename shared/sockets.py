@@ -372,7 +372,10 @@ class Poller:
                 if items[index].socket != cython.NULL and (
                         not items[index].quiet or items[index].check or every):
                     items[index].check = 0
-                    if self._readable(items[index].socket):
+                    readable = self._readable(items[index].socket)
+                    if readable < 0:
+                        return []  # a signal: its handler ran
+                    if readable:
                         items[index].ready = 1
                         found += 1
             every = False
@@ -395,7 +398,10 @@ class Poller:
                         items[index].ready = 1
                         found += 1
                 elif fds[index].revents or (expired and items[index].quiet):
-                    if self._readable(items[index].socket):  # commands processed: fd reset
+                    readable = self._readable(items[index].socket)  # commands processed: fd reset
+                    if readable < 0:
+                        return []  # a signal: its handler ran
+                    if readable:
                         items[index].ready = 1
                         found += 1
             if found or expired:
@@ -414,10 +420,16 @@ class Poller:
 
     def _readable(self, socket):
         """1 if the zmq socket has a message to read (ZMQ_EVENTS, which also processes the
-        commands its descriptor signalled, and so resets it), else 0."""
+        commands its descriptor signalled, and so resets it), else 0; -1 if a signal interrupted
+        it (libzmq polls its mailbox for that): the signal's handler has run (it may raise), and
+        the poll answers an empty list, as zmq_poll does."""
         readable = mw_readable(socket)
         if readable < 0:
-            raise zmq.ZMQError(zmq_errno())
+            code = zmq_errno()
+            if code == _EINTR:
+                PyErr_CheckSignals()
+                return -1
+            raise zmq.ZMQError(code)
         return readable
 
     def _fill(self):
