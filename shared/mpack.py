@@ -29,7 +29,7 @@ import struct
 try:
     import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
 except ImportError:
-    cython = None  # uncompiled without Cython: only the compiled branch of _uint_bytes uses it
+    cython = None  # uncompiled without Cython: only the compiled branches use it
 
 # Nesting: a header's tensor tree may be MAX_TREE_DEPTH (16) deep, each level two msgpack levels
 # ({"tuple": [...]}); past 64 it is refused here, well within Python's recursion limit, so the

@@ -77,11 +77,12 @@ cdef Py_ssize_t _put_timing(unsigned char *data, unsigned long long queue_us,
 cdef Py_ssize_t _put_bytes(unsigned char *data, Py_ssize_t pos, bytes value) noexcept
 cdef Py_ssize_t _TIMING_ROOM
 cdef bint COMPILED
-@cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list)
+@cython.locals(counts=list)
 cpdef object read_timing(bytes packed, Py_ssize_t start)
+@cython.locals(end=cython.Py_ssize_t, counts=list, key=bytes)
+cdef list _counts_after(bytes data, Py_ssize_t pos, tuple keys)
 cdef bytes _bytes_of(object frame)
 cdef tuple _RESULT_KEYS
 cdef dict _RESULT_MAP
-@cython.locals(pos=cython.Py_ssize_t, end=cython.Py_ssize_t, counts=list, key=bytes, data=bytes,
-               header=dict)
+@cython.locals(counts=list, header=dict)
 cpdef object read_result(object packed)

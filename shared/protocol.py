@@ -182,7 +182,7 @@ _TIMING_KEY = pack_value("timing") + b"\x84" + pack_value("queue_us")
 _COMPUTE_KEY = pack_value("compute_us")
 _TOTAL_KEY = pack_value("total_us")
 _BATCH_KEY = pack_value("batch")
-_COUNT_KEYS = (None, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY)  # what precedes each count
+_COUNT_KEYS = (_TIMING_KEY, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY)  # what precedes each count
 # The timing entry's most bytes: its keys, and four counts of at most 9 bytes each.
 _TIMING_ROOM = len(_TIMING_KEY) + len(_COMPUTE_KEY) + len(_TOTAL_KEY) + len(_BATCH_KEY) + 4 * 9
 if _TIMING_ROOM > 96:  # the C buffer add_timing writes the entry into (protocol.pxd)
@@ -245,26 +245,29 @@ def read_timing(packed: bytes, start: int) -> dict | None:
     """The ``timing`` entry ``add_timing`` wrote, read back from ``start`` (its key) of
     ``packed``: the map the full decode gives, when the entry ends ``packed`` in that very layout
     and every count is a non-negative int; else None (the caller decodes the whole header)."""
-    if not packed.startswith(_TIMING_KEY, start):
+    counts = _counts_after(packed, start, _COUNT_KEYS)
+    if counts is None:
         return None
-    pos = start + len(_TIMING_KEY)
+    return {"queue_us": counts[0], "compute_us": counts[1], "total_us": counts[2], "batch": counts[3]}
+
+
+def _counts_after(data: bytes, pos: int, keys: tuple) -> list | None:
+    """The counts in ``data`` from ``pos`` when it holds each of ``keys`` (packed bytes) followed
+    by a non-negative int in a form ``pack_uint`` writes, and nothing after; else None."""
     counts = []
-    for key in _COUNT_KEYS:
-        if key is not None:
-            if not packed.startswith(key, pos):
-                return None
-            pos += len(key)
-        end = value_end(packed, pos, 0)
+    for key in keys:
+        if not data.startswith(key, pos):
+            return None
+        pos += len(key)
+        end = value_end(data, pos, 0)
         if end < 0:
             return None
-        count = uint_at(packed, pos, end)
+        count = uint_at(data, pos, end)
         if count < 0:
             return None
         counts.append(count)
         pos = end
-    if pos != len(packed):
-        return None
-    return {"queue_us": counts[0], "compute_us": counts[1], "total_us": counts[2], "batch": counts[3]}
+    return counts if pos == len(data) else None
 
 
 # A worker's success envelope as its loop writes it (worker/serve.py ``_answer``): these keys, in
@@ -281,22 +284,8 @@ def read_result(packed: Any) -> dict | None:
     and the caller decodes it."""
     if type(packed) is not bytes:
         return None
-    data = packed
-    pos = 0
-    counts = []
-    for key in _RESULT_KEYS:
-        if not data.startswith(key, pos):
-            return None
-        pos += len(key)
-        end = value_end(data, pos, 0)
-        if end < 0:
-            return None
-        count = uint_at(data, pos, end)
-        if count < 0:
-            return None
-        counts.append(count)
-        pos = end
-    if pos != len(data):
+    counts = _counts_after(packed, 0, _RESULT_KEYS)
+    if counts is None:
         return None
     header = _RESULT_MAP.copy()  # a copy of a small dict is a copy of its table: no hashing
     header["rid"] = counts[0]
