@@ -12,7 +12,8 @@ import zmq
 
 from modelwarden.shared.protocol import BAD_REQUEST, OVERLOADED, ProtocolError
 from modelwarden.supervisor.routing.connections import ConnectionGuard, Listener
-from modelwarden.supervisor.routing.limits import MAX_FRAMES, TRACK_EVERY, ReplyLedger, RequestBytes, check_message
+from modelwarden.supervisor.routing.limits import (FORGET_AFTER_SWEEPS, MAX_FRAMES, TRACK_EVERY, ReplyLedger,
+                                                   RequestBytes, check_message)
 from tests.helpers import poll_until
 
 PEER = (0, b"peer")
@@ -60,6 +61,52 @@ def test_unwritten_replies_are_capped_and_released_once_written():
     gc.collect()
     poll_until(lambda: ledger.refusal(PEER) is None, 5, message="the backlog written")
     assert ledger.prepare(PEER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
+
+
+def test_small_unread_replies_add_up_to_a_refusal():
+    """1 KiB replies the peer never reads: each is below TRACK_EVERY, but together they are
+    tracked and counted, and the connection's cap refuses them."""
+    ledger = ReplyLedger(per_connection=2 * TRACK_EVERY, total=1 << 40)
+    held = []  # what libzmq would hold for a peer that does not read
+    for count in range(4 * TRACK_EVERY // 1024):
+        parts = [b"route", b"MWP1", b"header", bytes(1024)]
+        if ledger.prepare(PEER, parts, 1024) is not None:
+            break
+        held.append(parts)
+    else:
+        pytest.fail("4 MiB of small unread replies were never refused")
+    assert 2 * TRACK_EVERY // 1024 <= count <= 3 * TRACK_EVERY // 1024 + 1
+    assert ledger.refusal(PEER) is not None
+
+
+def test_a_quiet_connection_is_forgotten_only_once_its_untracked_bytes_have_waited():
+    ledger = ReplyLedger(per_connection=1 << 30, total=1 << 40)
+    first = [b"route", bytes(1024)]
+    assert ledger.prepare(PEER, first, 1024) is None  # a first reply: tracked
+    assert ledger.prepare(PEER, [b"route", bytes(1024)], 1024) is None  # untracked
+    first.clear()
+    gc.collect()
+    poll_until(lambda: (ledger.sweep(), ledger.total)[1] == 0, 5, message="the first reply written")
+    for _ in range(FORGET_AFTER_SWEEPS - 1):
+        ledger.sweep()
+        assert PEER in ledger.backlogs, "forgotten while its untracked bytes were recent"
+    ledger.sweep()
+    ledger.sweep()
+    assert PEER not in ledger.backlogs
+    # Its next reply is a first one again: tracked, so what was forgotten is covered by it.
+    assert ledger.prepare(PEER, [b"route", bytes(1024)], 1024) is None
+    assert ledger.backlogs[PEER].trackers and ledger.total == 1024
+
+
+def test_a_connection_with_nothing_untracked_is_forgotten_at_the_next_sweep():
+    ledger = ReplyLedger(per_connection=1 << 30, total=1 << 40)
+    parts = [b"route", bytes(1024)]
+    assert ledger.prepare(OTHER, parts, 1024) is None
+    parts.clear()
+    gc.collect()
+    poll_until(lambda: (ledger.sweep(), OTHER not in ledger.backlogs)[1], 5,
+               message="a written connection forgotten")
+    assert ledger.total == 0
 
 
 def test_the_guard_pauses_at_the_high_water_mark_and_resumes_below_the_low_one():

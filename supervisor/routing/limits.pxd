@@ -13,7 +13,7 @@ cdef class RequestBytes:
 
 
 cdef class _Backlog:
-    cdef public Py_ssize_t sent, written, untracked
+    cdef public Py_ssize_t sent, written, untracked, idle_sweeps
     cdef public object trackers
     cdef public bint refusing
 
@@ -25,9 +25,8 @@ cdef class ReplyLedger:
     cdef public Py_ssize_t per_connection, total_cap, total
     cdef public dict backlogs
 
-    @cython.locals(backlog=_Backlog, unread=cython.Py_ssize_t)
+    @cython.locals(backlog=_Backlog, unread=cython.Py_ssize_t, fresh=bint)
     cpdef prepare(self, object connection, list parts, Py_ssize_t nbytes)
-    cpdef _settle(self, object connection, _Backlog backlog)
 
 
 @cython.locals(total=cython.Py_ssize_t)

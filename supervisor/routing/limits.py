@@ -18,8 +18,9 @@ hold, and what a peer gets at each bound.
   the connection's or the daemon's cap is replaced by a small OVERLOADED error (every accepted
   request still gets exactly one answer), and the connection's new requests are answered
   OVERLOADED until its backlog is written. Bound: per connection ``max_unread_bytes_per_connection``
-  + 2 x ``TRACK_EVERY`` (bytes not yet covered by a tracker) + one reply; in all
-  ``max_unread_bytes`` + 2 x ``TRACK_EVERY`` per connection + one reply. Error and hello
+  + 3 x ``TRACK_EVERY`` (bytes not yet covered by a tracker, and once, those a quiet
+  connection's forgotten backlog had not covered: ``sweep``) + one reply; in all
+  ``max_unread_bytes`` + 3 x ``TRACK_EVERY`` per connection + one reply. Error and hello
   replies are not counted; they are small and, per connection, at most the frontend's
   ``ZMQ_SNDHWM`` in number.
 
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 ENVELOPE_FRAMES = 4  # routing id, optional empty delimiter, signature, header
 MAX_FRAMES = MAX_TENSORS + ENVELOPE_FRAMES
 TRACK_EVERY = 1 << 20  # bytes of small replies between two tracked ones
+FORGET_AFTER_SWEEPS = 100  # ticks (10 s) without a reply before untracked bytes are forgotten
 
 
 def check_message(frames: list, max_bytes: int) -> None:
@@ -96,7 +98,8 @@ class RequestBytes:
 
 class _Backlog:
     """Replies to one connection: tracked bytes sent and known written, trackers not yet done,
-    and the bytes sent since the last tracked reply (not counted until the next one)."""
+    the bytes sent since the last tracked reply (not counted until the next one), and the
+    sweeps since the last reply."""
 
     def __init__(self) -> None:
         self.sent = 0
@@ -104,6 +107,7 @@ class _Backlog:
         self.trackers: collections.deque = collections.deque()  # (tracker, sent up to it)
         self.untracked = 0
         self.refusing = False
+        self.idle_sweeps = 0
 
     def settle(self) -> int:
         """Forget done trackers (in order: one peer's messages are written in order); return
@@ -133,7 +137,7 @@ class ReplyLedger:
         backlog = self.backlogs.get(connection)
         if backlog is None or not backlog.refusing:
             return None
-        self._settle(connection, backlog)
+        self.total += backlog.settle()
         if backlog.unread <= self.per_connection // 2:
             backlog.refusing = False
             return None
@@ -144,10 +148,12 @@ class ReplyLedger:
         """Account a reply of ``nbytes`` payload bytes about to go out as ``parts``; its last
         frame may be replaced by a tracked copy. A reason instead: over a cap, do not send it."""
         backlog = self.backlogs.get(connection)
-        if backlog is None:
+        fresh = backlog is None
+        if fresh:
             backlog = self.backlogs[connection] = _Backlog()
-        else:
-            self._settle(connection, backlog)
+        elif backlog.trackers:
+            self.total += backlog.settle()
+        backlog.idle_sweeps = 0
         unread = backlog.unread
         if unread and (unread + nbytes > self.per_connection or self.total + nbytes > self.total_cap):
             if not backlog.refusing:
@@ -158,7 +164,11 @@ class ReplyLedger:
                     f"unread (max_unread_bytes_per_connection {self.per_connection}, "
                     f"max_unread_bytes {self.total_cap})")
         backlog.untracked += nbytes
-        if backlog.untracked >= TRACK_EVERY:
+        # A connection's first reply is tracked too. What sweep() forgot of this connection
+        # before (untracked bytes, less than TRACK_EVERY) went out ahead of it, and one peer's
+        # messages are written in order: until that tracker is done, the backlog is not
+        # forgotten again, so a peer that stops reading loses us at most TRACK_EVERY once.
+        if fresh or backlog.untracked >= TRACK_EVERY:
             last = parts[-1]
             frame = zmq.Frame(getattr(last, "buffer", last), copy=False, track=True)
             parts[-1] = frame  # the caller drops ``parts`` after sending: the tracker can finish
@@ -169,14 +179,19 @@ class ReplyLedger:
         return None
 
     def sweep(self) -> None:
-        """Settle every connection (the loop's tick): a peer that read frees the daemon's share."""
+        """Settle every connection (the loop's tick): a peer that read frees the daemon's share.
+        A connection with nothing unread is forgotten once it holds no untracked bytes either,
+        or once it has had no reply for FORGET_AFTER_SWEEPS sweeps (its peer gone, most likely:
+        a ROUTER says nothing when a peer leaves). Until then its untracked bytes keep adding
+        up towards the next tracked reply: forgotten at every quiet moment, small replies would
+        never be counted at all."""
         for connection, backlog in list(self.backlogs.items()):
-            self._settle(connection, backlog)
-
-    def _settle(self, connection: tuple, backlog: _Backlog) -> None:
-        self.total += backlog.settle()
-        if not backlog.unread and not backlog.refusing:
-            del self.backlogs[connection]
+            self.total += backlog.settle()
+            backlog.idle_sweeps += 1
+            if backlog.unread or backlog.refusing:
+                continue
+            if not backlog.untracked or backlog.idle_sweeps > FORGET_AFTER_SWEEPS:
+                del self.backlogs[connection]
 
 
 def payload_bytes(frames: Any) -> int:
