@@ -23,6 +23,9 @@ COMPILED: dict[str, str] = {
     "modelwarden.supervisor.routing.workers": "supervisor/routing/workers.py",
     "modelwarden.supervisor.routing.intake": "supervisor/routing/intake.py",
     "modelwarden.supervisor.routing.identity": "supervisor/routing/identity.py",
+    # the loop's round (its policy stays in the Arbiter) and its timers
+    "modelwarden.supervisor.eventloop": "supervisor/eventloop.py",
+    "modelwarden.supervisor.timers": "supervisor/timers.py",
     # the worker's side of the request path: what the router reads of each worker per request
     "modelwarden.supervisor.fleet.handle": "supervisor/fleet/handle.py",
     "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -64,6 +63,7 @@ from modelwarden.shared.process import DaemonError, check_socket_path, restrict_
 from modelwarden.supervisor.runtime import check_private_endpoint, claim_private_dir, claim_runtime_dir
 from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
 from modelwarden.supervisor.timers import Timers
+from modelwarden.supervisor.eventloop import EventLoop
 from modelwarden.supervisor.fleet.versions import VersionBook
 from modelwarden.supervisor.fleet.workerauth import BackendGate, new_credentials
 from modelwarden.worker import main as worker_main
@@ -108,11 +108,10 @@ class Arbiter:
         self.workers = self._by_identity  # by backend routing id: what the intake reads
         self.gate = BackendGate(self.clock)
         self._by_sentinel: dict[int, WorkerHandle] = {}
-        self._handlers: dict = {}
         self._spawn = multiprocessing.get_context("spawn")
         self._lock = None
         self.context = zmq.Context()
-        self.poller = Poller()
+        self.loop = EventLoop(Poller(), self.timers, self.clock)  # one round of _loop
         self.frontends: list[zmq.Socket] = []
         self._frontend_is_ipc: list[bool] = []
         self.frontend_transports: list[str] = []  # how each frontend's peers are known (identity)
@@ -199,27 +198,12 @@ class Arbiter:
         # The gateway goes last: it answers its callers until every worker has left.
         while not (self.stopping and not self._by_sentinel
                    and (self.gateway is None or self.gateway.stop_last())):
-            due = self.timers.next_due()
-            timeout = None if due is None else max(0, math.ceil((due - self.clock()) * 1000))
-            for item in self.poller.poll(timeout):
-                handler = self._handlers.get(item)
-                if handler is not None:
-                    self._guarded(handler)
             # Workers freed by the results of this round take their next requests together:
             # once per model per round, after every result of the round is in.
-            self._guarded(self.router.dispatch_wanted)
-            self.timers.run_due(self.clock())
+            self.loop.turn(self.router.dispatch_wanted)
         # No worker is left to serve what is still queued (every slot was restarting, or the
         # last one died while draining): answer it rather than leave it without a reply.
         self.router.fail_everything(SHUTTING_DOWN, "the daemon stopped before a worker could serve it")
-
-    @staticmethod
-    def _guarded(handler) -> None:
-        # A bug in one handler must not take the daemon down: log it and carry on.
-        try:
-            handler()
-        except Exception:
-            logger.exception("unexpected error in %s", getattr(handler, "__name__", handler))
 
     def _start_gateway(self) -> None:
         if self.settings.gateway is not None:
@@ -320,12 +304,10 @@ class Arbiter:
     def _on(self, item, handler, quiet: bool = False) -> None:
         """``quiet``: a zmq socket only its handler reads or writes (shared/sockets.Poller): the
         frontends and the backend are not, since the router writes to them between polls."""
-        self.poller.register(item, quiet)
-        self._handlers[item] = handler
+        self.loop.watch(item, handler, quiet)
 
     def _off(self, item) -> None:
-        self.poller.unregister(item)
-        self._handlers.pop(item, None)
+        self.loop.unwatch(item)
 
     def _install_signal_handlers(self) -> None:
         self._wakeup_read.setblocking(False)

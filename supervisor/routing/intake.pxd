@@ -18,11 +18,14 @@ cdef class Intake:
     cdef public object host, clock
     cdef public Router router
     cdef public dict workers
+    cdef public object raw, peer
+    cdef public tuple connection
 
+    @cython.locals(connection=tuple)
     cpdef drain_clients(self, Py_ssize_t index)
     @cython.locals(envelope=Envelope, parsed=InferRequest)
-    cpdef client_message(self, Py_ssize_t index, object sock, list frames, object peer,
-                         Py_ssize_t max_bytes)
+    cpdef client_message(self, Py_ssize_t index, object sock, list frames, tuple connection,
+                         object peer, Py_ssize_t max_bytes)
     cpdef drain_workers(self)
     @cython.locals(handle=WorkerHandle, header=dict)
     cpdef worker_message(self, list frames)

@@ -63,6 +63,12 @@ class Intake:
         self.router = host.router
         self.workers = host.workers  # the Arbiter's own dict, kept up to date by it
         self.clock = host.clock
+        # The last sender, kept across rounds: one peer's messages often come in a row, so its
+        # identity is parsed once, and its connection, the key of its byte ledgers, stays one
+        # tuple, which their dicts find by identity rather than by hashing a new one.
+        self.raw = None  # its identity as the frontend's property gave it
+        self.peer = None  # that identity parsed (identity.of_property)
+        self.connection = (-1, None)  # (frontend index, routing id)
 
     # -- clients ------------------------------------------------------------------------------
 
@@ -73,26 +79,27 @@ class Intake:
         transport = host.frontend_transports[index]
         prop = property_of(transport).encode()
         max_bytes = host.settings.daemon.max_message_bytes
-        last_raw = None  # one peer's messages often come in a row: its identity is parsed once
-        peer = None
         for _ in range(DRAIN_MAX):
             received = recv_routed(sock, prop)
             if received is None:
                 return
             frames, raw = received
-            if raw != last_raw:
-                last_raw = raw
-                peer = of_property(raw, transport)
+            connection = self.connection
+            if raw != self.raw or frames[0] != connection[1] or index != connection[0]:
+                self.raw = raw
+                self.peer = of_property(raw, transport)
+                self.connection = connection = (index, frames[0])
             try:
-                self.client_message(index, sock, frames, peer, max_bytes)
+                self.client_message(index, sock, frames, connection, self.peer, max_bytes)
             except Exception:
                 logger.exception("error handling a client message")
                 self.router.send_error(sock, reply_route(frames), None, INTERNAL,
                                        "internal error; see the daemon's log")
 
-    def client_message(self, index, sock, frames, peer, max_bytes):
-        """``frames`` as shared/sockets.py receives them (small ones bytes); ``peer`` the
-        identity whose shares the message counts against."""
+    def client_message(self, index, sock, frames, connection, peer, max_bytes):
+        """``frames`` as shared/sockets.py receives them (small ones bytes); ``connection``
+        (``index``, the routing id ``frames[0]``); ``peer`` the identity whose shares the
+        message counts against."""
         router = self.router
         try:
             check_message(frames, max_bytes)
@@ -108,7 +115,7 @@ class Intake:
             return
         parsed = router.parses.parse(envelope.header, len(envelope.payload))
         if parsed is not None:  # an infer header seen before, but for its id
-            router.accept_parsed(sock, (index, frames[0]), envelope, parsed, peer)
+            router.accept_parsed(sock, connection, envelope, parsed, peer)
             return
         try:
             header = unpack_header(envelope.header)
@@ -117,7 +124,7 @@ class Intake:
             return
         kind = header.get("type")
         if kind == INFER:
-            router.accept_infer(sock, (index, frames[0]), envelope, header, peer)
+            router.accept_infer(sock, connection, envelope, header, peer)
             return
         request_id = request_id_of(header)
         if kind != CLIENT_HELLO:

@@ -7,7 +7,8 @@ from modelwarden.supervisor.fleet.handle cimport WorkerHandle
 cdef object _READY, _FATAL
 
 @cython.locals(best_suspect=cython.bint, best_load=cython.Py_ssize_t, best_used=cython.double, suspect=cython.bint,
-               load=cython.Py_ssize_t, used=cython.double, handle=WorkerHandle, best=WorkerHandle)
+               load=cython.Py_ssize_t, used=cython.double, handle=WorkerHandle, best=WorkerHandle,
+               which=cython.int)
 cpdef object least_loaded(object slots, Py_ssize_t limit)
 cpdef bint has_room(WorkerHandle handle, Py_ssize_t limit) except -1
 cpdef bint serves_nothing(object slots) except -1

@@ -29,7 +29,10 @@ def least_loaded(slots, limit):
     best_load = 0
     best_used = 0.0
     for slot in slots:
-        for handle in (slot.current, slot.previous):
+        current = slot.current
+        previous = slot.previous
+        for which in range(2):  # the two workers a slot may have, without a tuple per slot
+            handle = current if which == 0 else previous
             if handle is None or handle.state is not _READY:
                 continue
             load = len(handle.inflight)
