@@ -26,6 +26,7 @@ cdef class Envelope:
 
 cdef class InferRequest:
     cdef public object id, model, tree, tensors, timeout_ms, out
+    cdef public dict derived
     cpdef set buffers(self)
 
 

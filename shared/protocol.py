@@ -601,15 +601,19 @@ def _walk_tree(node: Any, n_tensors: int, seen: set[int], depth: int) -> None:
 
 
 class InferRequest:
-    """A checked infer header (compiled, an extension type: protocol.pxd)."""
+    """A checked infer header (compiled, an extension type: protocol.pxd). ``derived``: what
+    the router works out from a header but for its id (its batching signature), remembered;
+    every request InferCache parses from one header shares its dict, so that is worked out once
+    per header, not once per request."""
 
-    def __init__(self, id, model, tree, tensors, timeout_ms, out):
+    def __init__(self, id, model, tree, tensors, timeout_ms, out, derived=None):
         self.id = id
         self.model = model
         self.tree = tree
         self.tensors = tensors  # [TensorDesc]
         self.timeout_ms = timeout_ms  # int, or None
         self.out = out  # (token, offset, nbytes), or None
+        self.derived = {} if derived is None else derived
 
     def buffers(self) -> set[str]:
         """The tokens this request references."""
@@ -685,7 +689,7 @@ class InferCache:
                     if rid is None:
                         return None
                     return InferRequest(rid, parsed.model, parsed.tree, parsed.tensors,
-                                        parsed.timeout_ms, parsed.out)
+                                        parsed.timeout_ms, parsed.out, parsed.derived)
             return None
         return None
 

@@ -36,6 +36,27 @@ def test_signature_ignores_the_batch_dimension_only():
     assert batching.signature(parsed([3, 2, 8]), DIM1)[1] == 2  # dim 1
 
 
+def test_a_signature_is_worked_out_once_per_header_and_config():
+    """Requests InferCache parses from one header share what is derived from it; another config
+    (a reload) or the handler flag works it out again."""
+    from modelwarden.shared.protocol import InferCache, pack, parse_infer, unpack_header
+
+    def header(request_id):
+        return pack({"type": "infer", "id": request_id, "model": "m", "inputs": 0,
+                     "tensors": [{"dtype": "float32", "shape": [3, 2, 8], "frame": 0}]})
+
+    cache = InferCache()
+    first = parse_infer(unpack_header(header(1)), 1)
+    cache.learn(header(1), first, 1)
+    second = cache.parse(header(2), 1)
+    assert second is not None and second.id == 2 and second.derived is first.derived
+    key0 = batching.signature(first, DIM0)
+    assert batching.signature(second, DIM0) is key0  # remembered, not worked out again
+    assert key0[1] == 3 and batching.signature(second, DIM1)[1] == 2  # another config
+    assert batching.signature(second, DIM0, handler=True)[1] == 3
+    assert batching.signature(parsed([3, 2, 8]), DIM1)[1] == 2  # a header of its own
+
+
 def test_requests_that_cannot_be_split_have_no_signature():
     assert batching.signature(parsed([2, 8], [3, 8]), DIM0) is None  # disagree on rows
     assert batching.signature(parsed([]), DIM0) is None  # a 0-d tensor has no batch dimension

@@ -45,9 +45,19 @@ SCAN_LIMIT = 512
 
 def signature(parsed: InferRequest, config: BatchingConfig,
               handler: bool = False) -> tuple[tuple, int] | None:
-    """(signature, rows) of a request, or None if it cannot be batched."""
-    if handler:
-        return _handler_signature(parsed, config)
+    """(signature, rows) of a request, or None if it cannot be batched. A function of the
+    header but for its id, and of ``config`` and ``handler``: worked out once per header
+    (``parsed.derived``, which InferCache's requests of one header share) and per config."""
+    known = parsed.derived.get("batching")
+    if known is not None and known[0] is config and known[1] == handler:
+        return known[2]
+    found = _handler_signature(parsed, config) if handler else _tensor_signature(parsed, config)
+    parsed.derived["batching"] = (config, handler, found)
+    return found
+
+
+def _tensor_signature(parsed: InferRequest, config: BatchingConfig) -> tuple[tuple, int] | None:
+    """A plain model's request: every input has the batch dimension, the same rows."""
     if any(desc.dtype in ELEMENT_TYPES for desc in parsed.tensors):
         return None  # a plain model's str/bytes input: nothing in the worker would join it
     dim = config.dim
