@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from modelwarden.supervisor.routing import deadlines
 from modelwarden.supervisor.routing.deadlines import Deadlines
+from modelwarden.supervisor.routing.requests import Request
 from modelwarden.supervisor.timers import Timers
 
 
-class Pending:
-    """What Deadlines reads of a request."""
-
-    def __init__(self, rid: int, deadline: float) -> None:
-        self.rid, self.deadline, self.done = rid, deadline, False
+def Pending(rid: int, deadline: float) -> Request:
+    """A request as the router makes one; Deadlines reads its deadline and done."""
+    return Request(rid, None, [], rid, "m", b"", [], 0, deadline)
 
 
 class Rig:

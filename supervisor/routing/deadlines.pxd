@@ -2,6 +2,8 @@
 
 cimport cython
 
+from modelwarden.supervisor.routing.requests cimport Request
+
 cdef class Deadlines:
     cdef public object timers, clock, expire, timer
     cdef public dict lanes
@@ -9,6 +11,6 @@ cdef class Deadlines:
     cdef public Py_ssize_t live, held
     cdef public double armed_for
 
-    cpdef add(self, object request, double timeout)
-    @cython.locals(lane=object)
-    cpdef answered(self, object request, double timeout)
+    cpdef add(self, Request request, double timeout)
+    @cython.locals(lane=object, head=Request)
+    cpdef answered(self, Request request, double timeout)

@@ -63,7 +63,10 @@ class Deadlines:
         self.live -= 1
         lane = self.lanes.get(timeout)
         if lane is not None:
-            while lane and lane[0].done:
+            while lane:
+                head = lane[0]
+                if not head.done:
+                    break
                 lane.popleft()
                 self.held -= 1
             if not lane:
