@@ -12,7 +12,8 @@ request deadlines, backoff restarts, kill escalation, the health tick -- set the
 from ``time.monotonic()``. Signal handlers only record; the loop turns
 signals into the same commands the control socket takes.
 
-The Arbiter keeps the loop, the sockets, the signals, spawning and reaping. What is done to the
+The Arbiter keeps the loop (its round, compiled, is supervisor/eventloop.py: the Arbiter says what
+is watched and when the loop ends), the sockets, the signals, spawning and reaping. What is done to the
 workers is the fleet's (supervisor/fleet/fleet.py: restart, stop, a reload's plan, shutdown) and
 each pool's; requests are the router's (supervisor/routing/router.py). Commands reach the Arbiter
 through ``CommandHost`` (supervisor/commands.py), pools through ``PoolHost``, the router through

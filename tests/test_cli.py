@@ -156,9 +156,12 @@ def test_status_watch_repeats_until_interrupted(tmp_path):
         poll_until(lambda: daemon.status(), 30, message="the daemon answering")
         out = tmp_path / "watch.out"
         with open(out, "w") as sink:
+            # As from a terminal: a runner started in the background (``cmd &`` without job
+            # control) passes SIGINT down ignored, and Python then never turns it into Ctrl-C.
             watch = subprocess.Popen([sys.executable, "-m", "modelwarden", "status", "--watch", "0.2",
                                       "--control", daemon.control], stdout=sink,
-                                     stderr=subprocess.STDOUT, cwd=ROOT)
+                                     stderr=subprocess.STDOUT, cwd=ROOT,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             try:
                 poll_until(lambda: out.read_text().count("(Ctrl-C ends)") >= 3, 30,
                            message="three status frames")
