@@ -55,11 +55,13 @@ def test_unwritten_replies_are_capped_and_released_once_written():
         sent.append(parts)  # held, as libzmq holds what the peer has not read
     refusal = ledger.prepare(PEER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY)
     assert refusal is not None and "max_unread_bytes_per_connection" in refusal
-    assert ledger.refusal(PEER) is not None
+    assert ledger.refusal(PEER) is not None and ledger.refusal(OTHER) is None
+    assert ledger.refusing == 1  # what the router asks before it looks a connection up
     assert ledger.prepare(OTHER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
     sent.clear()  # "written": the tracked frames are freed
     gc.collect()
     poll_until(lambda: ledger.refusal(PEER) is None, 5, message="the backlog written")
+    assert ledger.refusing == 0
     assert ledger.prepare(PEER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
 
 

@@ -22,7 +22,7 @@ cdef class _Backlog:
 
 
 cdef class ReplyLedger:
-    cdef public Py_ssize_t per_connection, total_cap, total
+    cdef public Py_ssize_t per_connection, total_cap, total, refusing
     cdef public dict backlogs
 
     @cython.locals(backlog=_Backlog, unread=cython.Py_ssize_t, fresh=bint)

@@ -131,15 +131,19 @@ class ReplyLedger:
         self.total_cap = total
         self.total = 0
         self.backlogs: dict[tuple, _Backlog] = {}
+        self.refusing = 0  # backlogs refusing their connection's requests: none, mostly
 
     def refusal(self, connection: tuple) -> str | None:
         """Why new requests from ``connection`` are refused now, or None."""
+        if not self.refusing:
+            return None
         backlog = self.backlogs.get(connection)
         if backlog is None or not backlog.refusing:
             return None
         self.total += backlog.settle()
         if backlog.unread <= self.per_connection // 2:
             backlog.refusing = False
+            self.refusing -= 1
             return None
         return (f"{backlog.unread} bytes of replies to this connection are unread "
                 f"(max_unread_bytes_per_connection {self.per_connection}); read them first")
@@ -159,7 +163,8 @@ class ReplyLedger:
             if not backlog.refusing:
                 logger.warning("a peer is not reading its replies (%d bytes unread, daemon %d): "
                                "dropping its replies and refusing its requests", unread, self.total)
-            backlog.refusing = True
+                backlog.refusing = True
+                self.refusing += 1
             return (f"reply dropped: {unread} bytes of earlier replies to this connection are "
                     f"unread (max_unread_bytes_per_connection {self.per_connection}, "
                     f"max_unread_bytes {self.total_cap})")

@@ -167,7 +167,7 @@ class Router:
             if len(queue) >= service.max_queue:
                 raise ProtocolError(OVERLOADED, f"{pool.name!r} has {len(queue)} requests "
                                     "queued (max_queue); retry later")
-            if self.replies.backlogs:
+            if self.replies.refusing:
                 refusal = self.replies.refusal(connection)
                 if refusal is not None:
                     raise ProtocolError(OVERLOADED, refusal)
