@@ -81,6 +81,17 @@ def poll_until(condition: Callable[[], Any], timeout: float = 30.0, interval: fl
 # -- configuration files ------------------------------------------------------------------------
 
 
+class ManualClock:
+    """A clock a test moves by hand (``clock.now = ...``): what timer logic takes instead of
+    ``time.monotonic`` in unit tests."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def toml_value(value: Any) -> str:
     """One TOML value: booleans, numbers, strings, arrays and inline tables."""
     if isinstance(value, bool):

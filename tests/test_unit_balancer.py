@@ -6,24 +6,17 @@ from __future__ import annotations
 import pytest
 
 from modelwarden.client.balancer import Balancer, Health, Next
+from modelwarden.testing import ManualClock
 
 A, B, C = "tcp://a:5555", "tcp://b:5555", "tcp://c:5555"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
-def balancer_with(clock: Clock, endpoints=(A, B), up=(A, B)) -> Balancer:
+def balancer_with(clock: ManualClock, endpoints=(A, B), up=(A, B)) -> Balancer:
     balancer = Balancer(list(endpoints), clock, heartbeat_interval=1.0, heartbeat_timeout=5.0)
     balancer.heartbeats_due()
     for endpoint in up:

@@ -13,19 +13,12 @@ import zmq
 from modelwarden.shared.sockets import Poller
 from modelwarden.supervisor.eventloop import EventLoop
 from modelwarden.supervisor.timers import Timers
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from modelwarden.testing import ManualClock
 
 
 @pytest.fixture
 def loop():
-    return EventLoop(Poller(), Timers(), Clock())
+    return EventLoop(Poller(), Timers(), ManualClock())
 
 
 @pytest.fixture
