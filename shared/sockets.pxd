@@ -171,6 +171,7 @@ cdef class Part:
 
 
 cdef int _SNDMORE, _NOBLOCK, _POLLIN, _POLLIN_FD, _EAGAIN, _EINTR
+cdef object _FRAME
 cdef long long QUIET_CHECK_EVERY
 cdef Py_ssize_t _COPY_BELOW
 

@@ -41,6 +41,7 @@ COPY_BELOW = 65536  # a part this small is copied into bytes: cheaper than keepi
 _COPY_BELOW = COPY_BELOW
 _EAGAIN = _errno.EAGAIN
 _EINTR = _errno.EINTR
+_FRAME = zmq.Frame
 
 
 def send_parts(socket, parts):
@@ -256,6 +257,10 @@ def _send_c(socket, parts, first_flags):
             zmq_msg_init(cython.address(msg))
             zmq_msg_copy(cython.address(msg), cython.address(cython.cast(Part, part).msg))
             sent = _sent_now(cython.address(msg), handle, flag)
+        elif isinstance(part, _FRAME):
+            # Through pyzmq, small or not: a copy would leave a tracked frame (the reply ledger's,
+            # supervisor/routing/limits.py) done at once, whether the peer read it or not.
+            sent = 0
         elif PyObject_CheckBuffer(part):
             # A small buffer (a tensor's memoryview) is copied, as bytes are; a large one goes
             # through pyzmq below, which keeps it alive until libzmq has sent it.

@@ -222,6 +222,31 @@ def test_a_peer_that_never_reads_cannot_grow_the_supervisor():
         assert "not reading its replies" in daemon.log()
 
 
+def test_small_replies_a_peer_never_reads_add_up_to_its_cap():
+    """1,500 replies of 1 KiB that the peer never reads, each far below the tracking step: they
+    are counted all the same, and past the connection's cap (1 MiB here, beyond what the kernel's
+    buffers hold) the rest are answered OVERLOADED, every request exactly once."""
+    with Daemon([echo_model()], daemon={"shm": False, "max_unread_bytes_per_connection": MiB}) as daemon:
+        daemon.wait_ready()
+        tensor = np.arange(256, dtype=np.float32)  # 1 KiB
+        silent = raw_dealer(daemon.endpoint, RCVHWM=1, RCVBUF=4096)
+        total = 1500
+        try:
+            for start in range(0, total, 250):  # in bursts: the queue bound is not what is tested
+                for request_id in range(start, start + 250):
+                    silent.send_multipart(infer_message(request_id, [tensor]))
+                poll_until(lambda: daemon.status()["daemon"]["pending"] == 0, 30,
+                           message=f"requests {start} to {start + 249} answered")
+            assert refusing(daemon), "1 KiB replies were never counted against the cap"
+            replies = read_replies(silent, total)
+        finally:
+            silent.close()
+        codes = [reply["error"]["code"] if not reply["ok"] else "ok" for reply in replies]
+        assert sorted(reply["id"] for reply in replies) == list(range(total))
+        assert codes.count("ok") + codes.count("OVERLOADED") == total
+        assert 0 < codes.count("ok") < total - 200  # what passed the megabyte was refused
+
+
 def test_requests_past_the_in_flight_byte_cap_are_overloaded():
     with Daemon([echo_model(kwargs={"delay": 1.0})],
                 daemon={"shm": False, "max_request_bytes_per_connection": MiB}) as daemon:

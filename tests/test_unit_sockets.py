@@ -5,6 +5,7 @@ uncompiled path, where the same functions go through pyzmq."""
 
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -269,3 +270,28 @@ def test_the_poller_answers_the_items_that_are_ready_and_follows_registrations(p
     assert poller.poll(0) == []
     reader.close()
     writer.close()
+
+
+def test_a_tracked_frame_is_given_to_libzmq_itself_however_small(tmp_path):
+    """A small zmq.Frame is not copied like bytes: its tracker must say when libzmq let go of
+    the message (the reply ledger counts unread replies by it), not when our copy was made."""
+    context = zmq.Context()
+    dealer, router = context.socket(zmq.DEALER), context.socket(zmq.ROUTER)
+    dealer.linger = router.linger = 0
+    endpoint = f"ipc://{tmp_path}/late.sock"
+    dealer.connect(endpoint)  # nobody there yet: libzmq queues what is sent
+    try:
+        frame = zmq.Frame(b"x" * 1024, copy=False, track=True)  # as the reply ledger makes one
+        tracker = frame.tracker
+        send_parts(dealer, [b"head", frame])
+        del frame
+        gc.collect()
+        assert not tracker.done, "the frame's message was not the one queued"
+        router.bind(endpoint)
+        _, head, body = arrived(router, receive=recv_parts)
+        assert head.bytes == b"head" and body.bytes == b"x" * 1024
+        poll_until(lambda: tracker.done, timeout=10, message="libzmq done with the message")
+    finally:
+        dealer.close()
+        router.close()
+        context.term()
