@@ -26,7 +26,9 @@ hold, and what a peer gets at each bound.
 
 A connection is ``(frontend index, routing id)``.
 Tracking costs about 20 us of CPU per tracked reply (pyzmq's free callback goes through its
-garbage-collector thread), which is why small replies are tracked only every ``TRACK_EVERY``.
+garbage-collector thread, which the first tracked reply starts: one thread with its own ZeroMQ
+context, about seven descriptors, once per process), which is why small replies are tracked only
+every ``TRACK_EVERY``, and on a connection's first reply.
 """
 
 from __future__ import annotations
