@@ -270,7 +270,9 @@ class Arbiter:
             self.zap = auth.ZapHandler(self.context, self.settings.resolve(
                 self.settings.daemon.curve.client_keys), self.clock)
             self.zap.start()
-            self._on(self.zap.zap_socket, self.zap.on_request, quiet=True)
+            # Loud: every handshake waits on it, and a request that came in while another was
+            # answered must not wait for the next reason to look (on_request drains, too).
+            self._on(self.zap.zap_socket, self.zap.on_request)
 
     def _watch_connections(self, sock: zmq.Socket, endpoint: str, pausable: bool) -> None:
         monitor = self.connections.watch(sock, endpoint, pausable)
