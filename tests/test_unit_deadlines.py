@@ -10,7 +10,7 @@ from modelwarden.supervisor.routing.requests import Request
 from modelwarden.supervisor.timers import Timers
 
 
-def Pending(rid: int, deadline: float) -> Request:
+def pending_request(rid: int, deadline: float) -> Request:
     """A request as the router makes one; Deadlines reads its deadline and done."""
     return Request(rid, None, [], rid, "m", b"", [], 0, deadline)
 
@@ -23,17 +23,17 @@ class Rig:
         self.deadlines = Deadlines(self.timers, lambda: self.now, self.expire)
         self.rids = iter(range(1, 1_000_000))
 
-    def expire(self, request: Pending) -> None:
+    def expire(self, request: Request) -> None:
         self.answer(request)
         self.expired.append(request.rid)
 
-    def add(self, timeout: float) -> Pending:
-        request = Pending(next(self.rids), self.now + timeout)
+    def add(self, timeout: float) -> Request:
+        request = pending_request(next(self.rids), self.now + timeout)
         request.timeout = timeout
         self.deadlines.add(request, timeout)
         return request
 
-    def answer(self, request: Pending) -> None:
+    def answer(self, request: Request) -> None:
         request.done = True
         self.deadlines.answered(request, request.timeout)
 
