@@ -178,13 +178,13 @@ def _handle(socket):
 
 
 def _recv_c(socket, flags, prop, writable):
-    """Every part of the next message; None if NOBLOCK found none. A blocking receive waits in
-    pyzmq's poll (the GIL released, signals seen), then takes the message without waiting.
+    """Every part of the next message; None if NOBLOCK found none. A blocking receive takes a
+    waiting message at once, and only when there is none waits in pyzmq's poll (the GIL
+    released, signals seen): a loop that polled already pays no second poll, which pyzmq makes
+    in Python (a Poller per call, about 11,000 instructions).
     ``writable``: every part a writable Part, else small ones as bytes and large ones read-only."""
-    if not flags & _NOBLOCK:
-        while not socket.poll():
-            pass
-        flags |= _NOBLOCK
+    blocking = cython.declare(cython.bint, not flags & _NOBLOCK)
+    flags |= _NOBLOCK
     msg = cython.declare(mw_msg_t)
     handle = cython.declare(cython.p_void,
                             cython.cast(cython.p_void, cython.cast(cython.size_t, _handle(socket))))
@@ -202,7 +202,11 @@ def _recv_c(socket, flags, prop, writable):
             zmq_msg_close(cython.address(msg))
             code = zmq_errno()
             if code == _EAGAIN and not parts:
-                return None
+                if not blocking:
+                    return None
+                while not socket.poll():
+                    pass
+                continue
             if code == _EINTR and not parts:
                 PyErr_CheckSignals()  # a handler may raise; else try again
                 continue

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import numpy as np
 import pytest
 import zmq
 
 from modelwarden.shared import sockets
-from modelwarden.shared.sockets import (COPY_BELOW, recv_message, recv_parts, recv_routed,
+from modelwarden.shared.sockets import (COPY_BELOW, recv_frames, recv_message, recv_parts, recv_routed,
                                         send_parts, send_queued)
 from modelwarden.testing import poll_until
 
@@ -89,6 +90,46 @@ def test_a_blocking_receive_waits_for_the_message(pair):
     dealer, router = pair
     send_parts(router, [_routing_id(dealer, router), b"late"])
     assert recv_message(dealer) == [b"late"]
+
+
+class CountingPolls(zmq.Socket):
+    """A real zmq socket that counts the times it is asked to poll."""
+
+    polls: int = 0  # declared here: pyzmq takes any other attribute for a socket option
+
+    def poll(self, *args, **kwargs):
+        self.polls += 1
+        return super().poll(*args, **kwargs)
+
+
+def test_a_blocking_receive_takes_a_waiting_message_without_polling_and_polls_for_a_late_one(tmp_path):
+    """A loop that polled already (the worker's, the client's) pays no second poll: pyzmq's
+    Socket.poll makes a Poller in Python, about 11,000 instructions. Uncompiled, pyzmq's own
+    blocking receive waits (no poll either)."""
+    context = zmq.Context()
+    receiver = context.socket(zmq.PAIR, socket_class=CountingPolls)
+    sender = context.socket(zmq.PAIR)
+    endpoint = f"ipc://{tmp_path}/p.sock"
+    receiver.bind(endpoint)
+    sender.connect(endpoint)
+    try:
+        send_parts(sender, [b"waiting", b"two"])
+        poll_until(lambda: receiver.get(zmq.EVENTS) & zmq.POLLIN, timeout=10)
+        assert [part.bytes for part in recv_frames(receiver)] == [b"waiting", b"two"]
+        assert receiver.polls == 0
+
+        def send_once_it_waits():
+            poll_until(lambda: receiver.polls > 0 or not sockets.COMPILED, timeout=10)
+            send_parts(sender, [b"late"])
+
+        late = threading.Thread(target=send_once_it_waits)
+        late.start()
+        assert [part.bytes for part in recv_frames(receiver)] == [b"late"]
+        late.join()
+    finally:
+        receiver.close(0)
+        sender.close(0)
+        context.term()
 
 
 def _routing_id(dealer, router) -> bytes:
