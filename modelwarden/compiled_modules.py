@@ -34,6 +34,7 @@ COMPILED: dict[str, str] = {
     "modelwarden.shared.codec": "shared/codec.py",
     "modelwarden.client.session": "client/session.py",
     "modelwarden.worker.serve": "worker/serve.py",
+    "modelwarden.worker.pipeline": "worker/pipeline.py",
 }
 
 

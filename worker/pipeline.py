@@ -26,6 +26,7 @@ import torch
 from modelwarden.handler import BadInput, Handler
 from modelwarden.shared.codec import element_leaf, flatten, unflatten
 from modelwarden.shared.config import BatchingConfig
+from modelwarden.shared.protocol import MODEL_ERROR, ProtocolError
 
 
 class Member(NamedTuple):
@@ -45,6 +46,17 @@ class Outputs(NamedTuple):
     leaves: list
 
 
+# Per request, the two tuples are built as tuple.__new__ builds them: a NamedTuple's own __new__
+# is generated Python source, an interpreted frame (about 2,000 instructions) even when this
+# module is compiled.
+def new_member(tree: Any, tensors: list, names: list, rows: int, length: int | None) -> Member:
+    return tuple.__new__(Member, (tree, tensors, names, rows, length))
+
+
+def new_outputs(tree: Any, leaves: list) -> Outputs:
+    return tuple.__new__(Outputs, (tree, leaves))
+
+
 class Pipeline:
     """The worker's model, handler or plain callable, as members in and outputs out."""
 
@@ -55,10 +67,9 @@ class Pipeline:
         self.dim = batching.dim
         self.padded = dict(batching.pad)
         self.keep_length = set(batching.keep_length)
-
-    @property
-    def bucketed(self) -> bool:
-        return self.batching.bucketed
+        # Read per request: plain attributes, not the config's (interpreted) property.
+        self.bucketed = batching.bucketed
+        self.mask = batching.mask
 
     @property
     def inner_model(self) -> Any:
@@ -99,7 +110,7 @@ class Pipeline:
         names = _leaf_names(tree, len(leaves))
         leaves, length = self._fit_length(leaves, names)
         rows = _rows(leaves, self.dim)
-        return Member(tree, leaves, names, rows, length)
+        return new_member(tree, leaves, names, rows, length)
 
     def _fit_length(self, leaves: list, names: list) -> tuple[list, int | None]:
         """The member's length along ``length_dim`` (its padded inputs must agree on it), cut to
@@ -158,11 +169,11 @@ class Pipeline:
 
     def _post(self, tree: Any, share: list) -> "Outputs | Exception":
         if self.handler is None:
-            return Outputs(tree, share)
+            return new_outputs(tree, share)
         try:
             value = self.handler.postprocess(unflatten(tree, share))
             leaves: list = []
-            return Outputs(flatten(_sendable(value), leaves), leaves)
+            return new_outputs(flatten(_sendable(value), leaves), leaves)
         except Exception as exc:  # this member's alone: its batch mates keep their answers
             return exc
 
@@ -170,7 +181,7 @@ class Pipeline:
 
     def _builds_mask(self, member: Member) -> bool:
         """Whether ``join`` adds the configured mask: a bucketed model's dict inputs lack it."""
-        mask = self.batching.mask
+        mask = self.mask
         return (mask is not None and member.length is not None and mask not in member.names
                 and isinstance(member.tree, dict) and "dict" in member.tree)
 
@@ -346,8 +357,6 @@ def _resize(tensor: torch.Tensor, axis: int, length: int, fill: float) -> torch.
 
 
 def _flatten_outputs(outputs: Any, leaves: list) -> Any:
-    from modelwarden.shared.protocol import MODEL_ERROR, ProtocolError
-
     try:
         return flatten(outputs, leaves)
     except TypeError as exc:

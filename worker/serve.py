@@ -18,7 +18,6 @@ as it is, appending only "timing" to the packed map.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from typing import Any, NamedTuple
@@ -211,7 +210,7 @@ class WorkerServer:
         """The probe through the whole path (a handler's preprocess and postprocess too)."""
         try:
             with self._on_stream():
-                return Call(rid, None, self.pipeline.member(self.probe_value), [], None)
+                return new_call(rid, None, self.pipeline.member(self.probe_value), [], None)
         except Exception as exc:
             self._answer_failure(rid, None, exc)
             return None
@@ -291,7 +290,8 @@ class WorkerServer:
             token, offset, nbytes = request.out
             segment, view = self.segments.region(token, offset, nbytes)
             out = (segment, offset, view)
-        return Call(rid, client_id, self.pipeline.from_request(request.tree, tensors), sources, out)
+        return new_call(rid, client_id, self.pipeline.from_request(request.tree, tensors), sources,
+                        out)
 
     def _elements(self, desc: protocol.TensorDesc, payload: list) -> Any:
         """A str/bytes input, decoded and checked (shared.codec.decode_elements): its payload
@@ -302,7 +302,7 @@ class WorkerServer:
         return decode_elements(view, desc)
 
     def _on_stream(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        return torch.cuda.stream(self.stream) if self.stream is not None else NO_STREAM
 
     def _answer(self, call: "Call", tree: Any, leaves: list, compute_us: int) -> None:
         """The client's reply header, written here: the supervisor relays it as it is (adding
@@ -365,6 +365,20 @@ class WorkerServer:
         return descs, frames
 
 
+class _NoStream:
+    """The CPU's ``_on_stream``: a context that does nothing, made once and compiled with this
+    module (contextlib.nullcontext is made per use, and its methods are interpreted)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return False
+
+
+NO_STREAM = _NoStream()
+
+
 class Call(NamedTuple):
     """One request, decoded and preprocessed, ready for the model."""
 
@@ -373,6 +387,11 @@ class Call(NamedTuple):
     member: Member  # its tensors, as the pipeline joins them
     sources: list  # the segments its inputs lie in (an output aliasing one goes back as a pointer)
     out: Any  # (segment, offset, view) of its output region, or None
+
+
+def new_call(rid: Any, client_id: Any, member: Member, sources: list, out: Any) -> Call:
+    """``Call(...)`` without the NamedTuple's interpreted ``__new__`` (worker/pipeline.py)."""
+    return tuple.__new__(Call, (rid, client_id, member, sources, out))
 
 
 def _split_members(envelope: dict, frames: list) -> list[tuple[Any, list]] | None:
