@@ -12,7 +12,7 @@ import logging
 import math
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,16 +44,21 @@ class Reply:
     version: str | None = None  # the model version that answered (docs/PROTOCOL.md 7.1)
 
 
-@dataclass(eq=False)
 class Pending:
-    id: int
-    model: str
-    numpy_out: bool
-    details: bool
-    keep: list  # input tensors: their memory may be read in place until the reply
-    regions: list[Region] = field(default_factory=list)  # leases this request holds
-    tokens: set = field(default_factory=set)  # every buffer token it references
-    out_token: str | None = None  # the buffer of its out region, if it has one
+    """One request in flight. A plain class, one per request: a dataclass's ``__init__`` is
+    generated Python source, interpreted even when this module is compiled."""
+
+    __slots__ = ("id", "model", "numpy_out", "details", "keep", "regions", "tokens", "out_token")
+
+    def __init__(self, id: int, model: str, numpy_out: bool, details: bool, keep: list) -> None:
+        self.id = id
+        self.model = model
+        self.numpy_out = numpy_out
+        self.details = details
+        self.keep = keep  # input tensors: their memory may be read in place until the reply
+        self.regions: list[Region] = []  # leases this request holds
+        self.tokens: set = set()  # every buffer token it references
+        self.out_token: str | None = None  # the buffer of its out region, if it has one
 
 
 class Session:

@@ -274,7 +274,8 @@ def encode(value: Any, place: Placement) -> Encoded:
     leaves: list = []
     tree = flatten(value, leaves)
     descs, frames = encode_leaves(leaves, place)
-    return Encoded(tree, descs, frames, leaves)
+    # Encoded(...) without the Python frame of a NamedTuple's __new__: the same tuple, in C.
+    return tuple.__new__(Encoded, (tree, descs, frames, leaves))
 
 
 def encode_leaves(leaves: list, place: Placement) -> tuple[list[dict], list]:

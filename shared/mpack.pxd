@@ -72,6 +72,7 @@ cpdef bytes pack_uint(object value)
 cdef Py_ssize_t put_uint(unsigned char *data, Py_ssize_t pos, unsigned long long value) noexcept
 
 cdef Py_ssize_t _FIRST_BYTES
+cdef int _MAX_DEPTH
 
 
 cdef class _Writer:

@@ -35,6 +35,7 @@ except ImportError:
 # ({"tuple": [...]}); past 64 it is refused here, well within Python's recursion limit, so the
 # uncompiled path refuses exactly what the compiled one does (msgpack-python's limit is 1024).
 MAX_DEPTH = 64
+_MAX_DEPTH = MAX_DEPTH  # compiled, a C int: the writer compares it per value
 # Short strings -- every map key, dtypes, model names, "infer" -- come again in every header:
 # a str made once and found again by its bytes skips the UTF-8 decode and, in the dict it goes
 # into, the hashing of a new str. Bounded (a peer sending many different strings only evicts).
@@ -474,7 +475,7 @@ _FIRST_BYTES = 256
 
 
 def _write(out, value, depth):
-    if depth > MAX_DEPTH:
+    if depth > _MAX_DEPTH:
         raise ValueError("recursion limit exceeded")
     kind = type(value)
     if kind is str:  # a header is mostly keys: the exact types first, subclasses below
