@@ -14,9 +14,11 @@ included; not the kernel's work in system calls) over N requests, and divides:
 * ``supervisor``: our daemon serving W1 (MLP 64 -> 256 -> 10, [1, 64]) at 64 in flight to two
   workers, batching off and on (max 16, no delay), its client connected before the count;
 * ``client``: one client process's sequential 1 KiB round trips to an identity model, the
-  daemon running natively.
+  daemon running natively;
+* ``worker``: the same round trips, counted in the model's one worker (spawned under callgrind
+  by a daemon and a client running natively).
 
-The supervisor and client rows are measured for this checkout compiled, for an uncompiled copy
+The supervisor, client and worker rows are measured for this checkout compiled, for an uncompiled copy
 of it (the same sources, run as Python), and with ``--against`` for another checkout compiled in
 place (``git worktree add /tmp/base COMMIT``, then ``python setup.py build_ext --inplace`` there;
 its role folders are linked under its ``modelwarden/`` here): the commit before a change, side by
@@ -245,6 +247,50 @@ def client(workdir: Path, tree: Path, requests: int) -> int:
         serving.stop_process(daemon)
 
 
+# -- a worker's side of a 1 KiB round trip ------------------------------------------------------
+
+def worker(workdir: Path, tree: Path, requests: int) -> int:
+    """Instructions per sequential 1 KiB round trip in the one worker of an identity model, the
+    daemon of ``tree`` and this process's client running natively: the worker's codec, its
+    sockets, its poll, the model's call. The daemon spawns it (and multiprocessing's resource
+    tracker, which counts nothing) under callgrind, through a script given as its executable."""
+    from bench import serving
+    from modelwarden.client.client import Client
+
+    workloads = serving.make_workloads(["W1"])
+    workload = dataclasses.replace(workloads["W1"], inputs=[torch.randn(256)], kind="identity",
+                                   kwargs={})
+    runtime = workdir / "worker" / tree.name
+    runtime.mkdir(parents=True)
+    text = serving.mw_config_text(runtime / "run", {"W1": workload}, None).replace(
+        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]').replace("workers = 2",
+                                                                          "workers = 1")
+    out = runtime / "worker.out"
+    script = runtime / "python-under-callgrind"
+    script.write_text(f'#!/bin/sh\nexec {" ".join(valgrind(out))}.%p {sys.executable} "$@"\n')
+    script.chmod(0o755)
+    # Under valgrind a worker starts in about 15 s (imports and warm-up, uninstrumented).
+    daemon, endpoint = serving.start_daemon(runtime, "daemon", text, {"w1": workload}, tree=tree,
+                                            ready_s=600, spawn_with=script)
+    x = torch.randn(256)
+    try:
+        with Client(endpoint, timeout=300) as client:
+            for _ in range(WARMUP):
+                client.infer("w1", x)
+            pids = [int(path.name.rsplit(".", 1)[1]) for path in runtime.glob("worker.out.*")]
+            for pid in pids:
+                control(pid, "-i", "on")
+            for _ in range(requests):
+                client.infer("w1", x)
+            for pid in pids:
+                control(pid, "-d")
+                control(pid, "-i", "off")
+        dumps = [path for path in runtime.glob("worker.out.*.*")]
+        return sum(total_instructions(dump) for dump in dumps) // requests
+    finally:
+        serving.stop_process(daemon)
+
+
 def hottest(dump: Path, requests: int, top: int) -> list[tuple[int, str]]:
     """Our compiled functions with the most inclusive instructions per request: each by its
     module and name (``router.Router.accept_parsed``), once (Cython's wrapper that Python calls
@@ -286,7 +332,8 @@ def readable(symbol: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--client-requests", type=int, default=1000)
+    parser.add_argument("--client-requests", type=int, default=1000,
+                        help="sequential round trips counted in the client and worker rows")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--skip-uncompiled", action="store_true")
     parser.add_argument("--against", type=Path,
@@ -321,10 +368,11 @@ def main() -> int:
             rows[key] = supervisor(workdir, tree, batching, args.requests)
             print(f"{'supervisor W1@' + str(IN_FLIGHT) + ', ' + key[11:]:<50}{rows[key]:>22,}"
                   f"{rows[key] / base:>9.2f}")
-    for kind, tree in trees.items():
-        key = f"client, {kind}"
-        rows[key] = client(workdir, tree, args.client_requests)
-        print(f"{'client, 1 KiB round trip, ' + kind:<50}{rows[key]:>22,}")
+    for side, measure in (("client", client), ("worker", worker)):
+        for kind, tree in trees.items():
+            key = f"{side}, {kind}"
+            rows[key] = measure(workdir, tree, args.client_requests)
+            print(f"{side + ', 1 KiB round trip, ' + kind:<50}{rows[key]:>22,}")
     report = targets(rows)
     print()
     for row in report:
@@ -380,11 +428,12 @@ def targets(rows: dict) -> list[dict]:
             if ours and theirs:
                 check(f"supervisor W1@{IN_FLIGHT}, batching {on}: compiled / {other}",
                       ours / theirs, "<=", 1.0)
-    ours = rows.get("client, compiled")
-    for other in ("uncompiled", "against"):
-        theirs = rows.get(f"client, {other}")
-        if ours and theirs:
-            check(f"client, 1 KiB round trip: compiled / {other}", ours / theirs, "<=", 0.4)
+    for side in ("client", "worker"):
+        ours = rows.get(f"{side}, compiled")
+        for other in ("uncompiled", "against"):
+            theirs = rows.get(f"{side}, {other}")
+            if ours and theirs:
+                check(f"{side}, 1 KiB round trip: compiled / {other}", ours / theirs, "<=", 0.4)
     return out
 
 

@@ -284,18 +284,28 @@ def mw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict
     return "\n".join(lines)
 
 
+# ``python -c`` this, then the daemon's arguments: the daemon, its workers spawned with the
+# executable argv[1] names (multiprocessing.set_executable) instead of this interpreter.
+SPAWN_WITH = ("import multiprocessing, runpy, sys; multiprocessing.set_executable(sys.argv.pop(1)); "
+              "runpy.run_module('modelwarden', run_name='__main__', alter_sys=True)")
+
+
 def start_daemon(workdir: Path, label: str, text: str, models: dict[str, Workload],
-                 wrapper: tuple[str, ...] = (), tree: Path = ROOT, ready_s: float = 120):
+                 wrapper: tuple[str, ...] = (), tree: Path = ROOT, ready_s: float = 120,
+                 spawn_with: Path | None = None):
     """The daemon of config ``text``, once it serves every model; (process, endpoint).
     ``wrapper`` runs it under another command (bench/instructions.py: valgrind), from the
-    checkout ``tree`` (its modules first on PYTHONPATH)."""
+    checkout ``tree`` (its modules first on PYTHONPATH); ``spawn_with``, an executable its
+    workers are spawned with in place of the interpreter (bench/instructions.py: a script that
+    runs the interpreter under valgrind)."""
     from modelwarden.client.client import Client
 
     slug = label.replace(" ", "_").replace(",", "")
     config = workdir / f"{slug}.toml"
     config.write_text(text)
     log = open(workdir / f"{slug}.log", "wb")
-    daemon = subprocess.Popen([*wrapper, sys.executable, "-m", "modelwarden", "serve", "--config",
+    main = ["-m", "modelwarden"] if spawn_with is None else ["-c", SPAWN_WITH, str(spawn_with)]
+    daemon = subprocess.Popen([*wrapper, sys.executable, *main, "serve", "--config",
                                str(config)], cwd=tree, stdout=log, stderr=subprocess.STDOUT,
                               env={**os.environ, "PYTHONPATH": str(tree)} if tree != ROOT else None)
     endpoint = f"ipc://{workdir}/run/frontend.sock"
