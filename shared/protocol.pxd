@@ -87,3 +87,4 @@ cdef tuple _RESULT_KEYS
 cdef dict _RESULT_MAP
 @cython.locals(counts=list, header=dict)
 cpdef object read_result(object packed)
+cpdef bytes result_header(object rid, object compute_us, object batch)

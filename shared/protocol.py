@@ -297,6 +297,17 @@ def read_result(packed: Any) -> dict | None:
 _RESULT_MAP = {"type": RESULT, "rid": 0, "ok": True, "compute_us": 0, "batch": 0}
 
 
+def result_header(rid: Any, compute_us: Any, batch: Any) -> bytes:
+    """``pack({"type": "result", "rid": rid, "ok": True, "compute_us": compute_us, "batch":
+    batch})``, byte for byte: the worker's header of every success it answers alone, in the
+    layout ``read_result`` reads in place, written from its keys packed once."""
+    if _is_count(rid) and _is_count(compute_us) and _is_count(batch):
+        return b"".join((_RESULT_KEYS[0], pack_uint(rid), _RESULT_KEYS[1], pack_uint(compute_us),
+                         _RESULT_KEYS[2], pack_uint(batch)))
+    return pack({"type": RESULT, "rid": rid, "ok": True, "compute_us": compute_us,
+                 "batch": batch})
+
+
 def unpack_header(buf, strict: bool = True) -> dict:
     """Decode one header frame with hard limits; never trusts its size or shape.
 

@@ -704,6 +704,24 @@ def test_read_result_gives_what_the_full_decode_gives_for_every_count_width():
         assert list(found) == ["type", "rid", "ok", "compute_us", "batch"]
 
 
+def test_the_workers_result_header_is_msgpacks_bytes_and_read_result_reads_it_in_place():
+    for index, count in enumerate(COUNTS):
+        fields = {"rid": count, "compute_us": COUNTS[-1 - index], "batch": COUNTS[index // 2]}
+        written = protocol.result_header(fields["rid"], fields["compute_us"], fields["batch"])
+        assert written == msgpack.packb({"type": "result", "rid": fields["rid"], "ok": True,
+                                         "compute_us": fields["compute_us"],
+                                         "batch": fields["batch"]}), fields
+        assert protocol.read_result(written) == {"type": "result", "ok": True, **fields}
+
+
+@pytest.mark.parametrize("rid, compute_us", [(-1, 5), (7, 1.5), ("7", 5), (True, 5)])
+def test_a_result_header_of_values_that_are_not_counts_is_packed_as_a_map(rid, compute_us):
+    written = protocol.result_header(rid, compute_us, 1)
+    assert msgpack.unpackb(written) == {"type": "result", "rid": rid, "ok": True,
+                                        "compute_us": compute_us, "batch": 1}
+    assert protocol.read_result(written) is None
+
+
 @pytest.mark.parametrize("packed", [
     _result(ok=False),  # a failure: the decode reads it (it carries a code)
     _result(rid=-1),  # a count that is not a uint

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -145,7 +145,9 @@ class Pipeline:
             tree, joined = members[0].tree, members[0].tensors  # alone: nothing to join or pad
         else:
             tree, joined = self.join(members)
-        outputs, compute_us = self._timed(self.forward, tree, joined)
+        started = time.perf_counter_ns()
+        outputs = self.forward(tree, joined)
+        compute_us = (time.perf_counter_ns() - started) // 1000
         leaves: list = []
         out_tree = _flatten_outputs(outputs, leaves)
         shares = self.split(leaves, members, joined) if len(members) > 1 else [leaves]
@@ -160,12 +162,6 @@ class Pipeline:
             return self.handler.forward(value)
         args, kwargs = call_arguments(tree, value)
         return self.model(*args, **kwargs)
-
-    @staticmethod
-    def _timed(forward: Callable, tree: Any, tensors: list) -> tuple[Any, int]:
-        started = time.perf_counter_ns()
-        outputs = forward(tree, tensors)
-        return outputs, (time.perf_counter_ns() - started) // 1000
 
     def _post(self, tree: Any, share: list) -> "Outputs | Exception":
         if self.handler is None:

@@ -80,6 +80,13 @@ class WorkerServer:
         self.served = 0
         self.parses = protocol.InferCache()  # client headers seen before but for their id
         self.pack = protocol.packer()  # this loop's own: made once
+        # What every request reads of the spec and the device, read once (pydantic and torch
+        # attributes cost a lookup each).
+        self.reject_nonfinite = spec.model.reject_nonfinite
+        self.on_cpu = device.type == "cpu"
+        self.worker_id = spec.worker_id
+        self.version = spec.version
+        self.shm_threshold = spec.shm_threshold
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -278,11 +285,11 @@ class WorkerServer:
         problem = check_bool_bytes(tensors)
         if problem:
             raise ProtocolError(BAD_REQUEST, problem)
-        if self.spec.model.reject_nonfinite:
+        if self.reject_nonfinite:
             problem = check_finite(tensors)
             if problem:
                 raise ProtocolError(BAD_INPUT, problem)
-        if self.device.type != "cpu":
+        if not self.on_cpu:
             tensors = [tensor.to(self.device, non_blocking=True)
                        if isinstance(tensor, torch.Tensor) else tensor for tensor in tensors]
         out = None
@@ -308,11 +315,12 @@ class WorkerServer:
         """The client's reply header, written here: the supervisor relays it as it is (adding
         only its own timing)."""
         reply = self._reply_parts(call, tree, leaves)
-        envelope = {"type": protocol.RESULT, "rid": call.rid, "ok": True,
-                    "compute_us": compute_us, "batch": 1}
         if call.client_id is None and self.device.type == "cuda":  # the probe: memory after it
-            envelope["cuda_bytes"] = torch.cuda.memory_allocated(self.device)
-        parts = [self.pack(envelope)]
+            parts = [self.pack({"type": protocol.RESULT, "rid": call.rid, "ok": True,
+                                "compute_us": compute_us, "batch": 1,
+                                "cuda_bytes": torch.cuda.memory_allocated(self.device)})]
+        else:
+            parts = [protocol.result_header(call.rid, compute_us, 1)]
         parts.extend(reply)
         send_parts(self.link.socket, parts)
         self.served += 1
@@ -321,7 +329,7 @@ class WorkerServer:
         """[the client's reply header, payload frames...] of a success."""
         descs, frames = self._encode(leaves, call.out, call.sources)
         reply = {"id": call.client_id, "ok": True, "outputs": tree, "tensors": descs,
-                 "worker": self.spec.worker_id, "version": self.spec.version}
+                 "worker": self.worker_id, "version": self.version}
         return [self.pack(reply), *frames]
 
     def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
@@ -334,8 +342,8 @@ class WorkerServer:
         """(rid, False, code, [the client's error reply])."""
         code, message = self._failure_of(rid, exc)
         reply = protocol.error_header(client_id, code, message[:MAX_MESSAGE_CHARS])
-        reply["worker"] = self.spec.worker_id
-        reply["version"] = self.spec.version
+        reply["worker"] = self.worker_id
+        reply["version"] = self.version
         return rid, False, code, [self.pack(reply)]
 
     def _failure_of(self, rid: Any, exc: BaseException) -> tuple[str, str]:
@@ -357,7 +365,7 @@ class WorkerServer:
         region = OutRegion(out[0].token, out[1], out[2], ALIGN) if out is not None else None
         try:
             descs, frames = encode_leaves(leaves, reply_placement(sources, region,
-                                                                  self.spec.shm_threshold))
+                                                                  self.shm_threshold))
         except TypeError as exc:  # a dtype that cannot travel
             raise ProtocolError(MODEL_ERROR, str(exc)) from None
         if self.stream is not None:
