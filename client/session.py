@@ -112,9 +112,7 @@ class Session:
         try:
             encoded = encode(inputs, self._placement(pending))
             pending.keep = encoded.leaves  # read in place by the worker until the reply
-            pending.numpy_out = bool(encoded.leaves) and all(
-                isinstance(leaf, np.ndarray) or (isinstance(leaf, Elements) and leaf.numpy)
-                for leaf in encoded.leaves)
+            pending.numpy_out = all_numpy(encoded.leaves)
             out = self._out_region(model, encoded.descs, pending)
         except BaseException:
             self.release(pending)
@@ -309,6 +307,17 @@ class Session:
     def close(self) -> None:
         if self.arena is not None:
             self.arena.close()
+
+
+def all_numpy(leaves: list) -> bool:
+    """Every input a numpy array (or str/bytes given as numpy), and at least one: the outputs
+    come back as numpy too."""
+    if not leaves:
+        return False
+    for leaf in leaves:
+        if not (isinstance(leaf, np.ndarray) or (isinstance(leaf, Elements) and leaf.numpy)):
+            return False
+    return True
 
 
 def _aligned(nbytes: int) -> int:
