@@ -33,6 +33,8 @@ COMPILED: dict[str, str] = {
     # the codec of the client and the worker
     "modelwarden.shared.codec": "shared/codec.py",
     "modelwarden.client.session": "client/session.py",
+    "modelwarden.client.client": "client/client.py",
+    "modelwarden.client.connection": "client/connection.py",
     "modelwarden.worker.serve": "worker/serve.py",
     "modelwarden.worker.pipeline": "worker/pipeline.py",
 }
