@@ -17,6 +17,7 @@ reads replies too).
 
 from __future__ import annotations
 
+import ctypes
 import struct
 import warnings
 from typing import Any, Callable, NamedTuple
@@ -28,6 +29,18 @@ from modelwarden.shared.descriptors import (ElementList, decode_elements, elemen
                                             inline_desc, shm_desc)
 from modelwarden.shared.protocol import (DTYPES, ELEMENT_PREFIX, MAX_ELEMENT_BYTES, MAX_ELEMENTS,
                                          TensorDesc)
+
+try:
+    import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
+except ImportError:
+    cython = None  # uncompiled without Cython: only the compiled branch of _copied uses it
+
+# Compiled, this module is an extension (its __file__ a .so): codec.pxd gives _copied its C call.
+COMPILED = not __file__.endswith(".py")
+# An inline frame this small is copied into bytes through the tensor's data pointer: the socket
+# copies a part below its own COPY_BELOW (64 KiB, shared/sockets.py) anyway, and a numpy view
+# costs several times the copy. A larger frame is a numpy view, sent without a copy.
+COPIED_BELOW = 65536
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -296,8 +309,27 @@ def encode_leaves(leaves: list, place: Placement) -> tuple[list[dict], list]:
         if not tensor.is_cpu or not tensor.is_contiguous():
             tensor = tensor.detach().to("cpu").contiguous()
         descs.append(inline_desc(dtype, tensor.shape, len(frames)))
-        frames.append(raw_bytes(tensor))  # the frame keeps the tensor alive until sent
+        frames.append(inline_frame(tensor, nbytes))
     return descs, frames
+
+
+def inline_frame(tensor: torch.Tensor, nbytes: int) -> Any:
+    """The frame of a contiguous CPU tensor sent inline: below COPIED_BELOW bytes its bytes,
+    copied through its data pointer; else a numpy view, which keeps the tensor alive until
+    libzmq has sent it. A tensor numpy refuses (one that requires grad, a lazily conjugated or
+    negated view) goes to numpy either way, which says why."""
+    if (nbytes < COPIED_BELOW and not tensor.requires_grad and not tensor.is_conj()
+            and not tensor.is_neg()):
+        return _copied(tensor.data_ptr(), nbytes)
+    return raw_bytes(tensor)
+
+
+def _copied(address: int, nbytes: int) -> bytes:
+    """``nbytes`` bytes from ``address`` (memory the caller keeps alive), as one bytes object."""
+    if COMPILED:
+        return PyBytes_FromStringAndSize(cython.cast(cython.p_char, cython.cast(cython.size_t, address)),
+                                         nbytes)
+    return ctypes.string_at(address, nbytes)
 
 
 def _encode_elements(leaf: Elements, place: Placement, frames: list) -> dict:

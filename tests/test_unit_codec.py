@@ -16,8 +16,8 @@ import pytest
 import torch
 import zmq
 
-from modelwarden.shared import protocol
-from modelwarden.shared.codec import (DTYPE_NAMES, OutRegion, alias_region, copy_into, encode,
+from modelwarden.shared import codec, protocol
+from modelwarden.shared.codec import (DTYPE_NAMES, OutRegion, alias_region, copy_into, encode, raw_bytes,
                                       encode_leaves, frame_tensor, from_bytes,
                                       inline_only, reply_placement, unflatten)
 from modelwarden.shared.descriptors import (InferReply, ReplyError, inline_desc, parse_reply,
@@ -283,7 +283,7 @@ VALUES = {
 def test_encode_inline_round_trips_through_the_reply_parser(name):
     value = VALUES[name]
     encoded = encode(value, inline_only)
-    frames = [zmq.Frame(frame.tobytes()) for frame in encoded.frames]  # as received
+    frames = [zmq.Frame(bytes(frame)) for frame in encoded.frames]  # as received
     reply = parse_reply({"ok": True, "outputs": encoded.tree, "tensors": encoded.descs}, frames)
     back = unflatten(reply.outputs, [frame_tensor(desc, frames) for desc in reply.tensors])
     assert_same(back, value)
@@ -514,3 +514,29 @@ def test_element_descriptors_round_trip_through_the_parser():
                                             TensorDesc("bytes", (), 6, frame=1, longest=2)]
     assert [wire_desc(desc) for desc in parse_tensors(encoded.descs)] == encoded.descs
     assert elements("str", (1,), ["é"]).payload == payload_of(["é".encode()])
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(100, dtype=torch.float32)[10:20],  # a view that starts past its storage's start
+    torch.tensor([True, False, True]),
+    torch.tensor(7, dtype=torch.int64),  # 0-d
+    torch.empty(0, 3),
+    torch.randn(4, 4).to(torch.bfloat16),
+    torch.randn(2, 3, dtype=torch.complex64),
+], ids=["offset-view", "bool", "0-d", "empty", "bfloat16", "complex"])
+def test_a_small_inline_frame_is_a_copy_of_the_tensors_own_bytes(tensor):
+    frame = codec.inline_frame(tensor, tensor.nbytes)
+    assert type(frame) is bytes
+    assert frame == raw_bytes(tensor).tobytes()
+    sent = from_bytes(memoryview(frame), DTYPE_NAMES[tensor.dtype], tuple(tensor.shape))
+    assert torch.equal(sent, tensor)
+
+
+def test_a_large_inline_frame_is_a_view_of_the_tensor_and_one_numpy_refuses_still_says_why():
+    large = torch.randn(codec.COPIED_BELOW // 4 + 1)
+    frame = codec.inline_frame(large, large.nbytes)
+    assert isinstance(frame, np.ndarray) and frame.ctypes.data == large.data_ptr()
+    for refused in (torch.randn(4, requires_grad=True), torch.randn(4, dtype=torch.complex64).conj(),
+                    torch.randn(4, dtype=torch.complex64).conj().imag):
+        with pytest.raises(RuntimeError):
+            codec.inline_frame(refused, refused.nbytes)
