@@ -277,7 +277,7 @@ class WorkerServer:
                 tensors.append(self._elements(desc, payload))
                 continue
             if desc.shm is None:
-                tensors.append(from_bytes(payload[desc.frame].buffer, desc.dtype, desc.shape))
+                tensors.append(from_bytes(payload[desc.frame], desc.dtype, desc.shape))
                 continue
             segment, tensor = self.segments.tensor(desc)
             sources.append(segment)
