@@ -709,6 +709,9 @@ INSTRUCTION_ROWS = {
     "client, compiled": "client, one 1 KiB round trip, compiled",
     "client, against": "client, one 1 KiB round trip, the checkout before the change",
     "client, uncompiled": "client, one 1 KiB round trip, uncompiled",
+    "worker, compiled": "worker, one 1 KiB round trip, compiled",
+    "worker, against": "worker, one 1 KiB round trip, the checkout before the change",
+    "worker, uncompiled": "worker, one 1 KiB round trip, uncompiled",
 }
 
 
@@ -724,7 +727,8 @@ def instructions_section(data: dict | None) -> list[str]:
         "kernel's work in system calls. The supervisor rows serve W1 (MLP 64 -> 256 -> 10, "
         f"[1, 64]) at {data['in_flight']} in flight to two workers, {data['requests']:,} requests "
         "after a warm-up, the client connected before the count; the client rows are one "
-        "process's sequential 1 KiB round trips to an identity model. \"the checkout before the "
+        "process's sequential 1 KiB round trips to an identity model, and the worker rows the "
+        "same round trips counted in the model's one worker. \"the checkout before the "
         "change\" is the commit before this work (`acfd321`: `git worktree add /tmp/base acfd321`, "
         "then `python setup.py build_ext --inplace` there), built the same way and measured in "
         "the same run; \"uncompiled\" is this checkout without its compiled modules.", ""]

@@ -44,7 +44,10 @@ fixed measuring window (1 s + 4 s; --quick: 0.3 s + 1.2 s). Per point: requests/
 errors (a sample of answers is compared with the in-process model: a mismatch is an error) and,
 for modelwarden, the supervisor's CPU time (utime + stime from /proc/PID/stat) per request, and
 how much of it was the kernel's (stime: system calls, which instruction counts do not see).
-After the table: each target of issue 9 as a ratio of numbers measured in this run, PASS/MISS.
+With W1 at 64 in flight, the same run measures the floor: a C zmq.proxy broker's CPU per 1 KiB
+request at 1 and 8 in flight (bench/payloads.py), for issue 24's ratios of the supervisor's.
+After the table: each target of issues 9 and 24 as a ratio of numbers measured in this run,
+PASS/MISS.
 Everything is also written as JSON (default bench/results/serving.json).
 """
 
@@ -55,6 +58,7 @@ import asyncio
 import base64
 import http.client
 import json
+import multiprocessing
 import os
 import queue
 import re
@@ -79,7 +83,7 @@ sys.path.insert(0, str(ROOT))
 from bench.loadgen import Window, run_async, run_threads  # noqa: E402
 from bench.models import BUSY_WIDTH, FACTORIES  # noqa: E402
 from bench.machine import command, machine  # noqa: E402
-from bench.payloads import cpu_times  # noqa: E402
+from bench.payloads import bench_proxy_cpu, cpu_times  # noqa: E402
 
 PEERS_DIR = ROOT / "bench" / ".peers"
 TORCH = "torch==2.13.0"  # unpinned, pip pulls a multi-GB CUDA build
@@ -970,7 +974,9 @@ def describe(row: dict | None) -> str:
     return f"{row['system']} {row['config']}" if row else "not measured"
 
 
-def targets(rows: list[dict], workloads: dict[str, Workload]) -> list[dict]:
+def targets(rows: list[dict], workloads: dict[str, Workload], floor: dict | None = None) -> list[dict]:
+    """``floor``: the C proxy's CPU per request (bench/payloads.py ``bench_proxy_cpu``), measured
+    in this run when it measured modelwarden at W1@64."""
     report = []
     if "W2" in workloads:
         w2 = workloads["W2"]
@@ -1002,6 +1008,16 @@ def targets(rows: list[dict], workloads: dict[str, Workload]) -> list[dict]:
         for row in find(rows, "modelwarden", "W1", 64, lambda c: "1 worker" not in c):
             report.append(check(f"W1@64 supervisor CPU us/request ({row['config']})",
                                 row.get("supervisor_cpu_us"), "<=", 60.0, "utime+stime / requests"))
+        if floor is not None:  # issue 24: the supervisor's CPU against a C broker's, one run
+            proxy_us = floor["8"]["proxy_cpu_us"]
+            for config, bound in (("off", 2.5), ("on", 1.5)):
+                row = mw(rows, "W1", 64, config)
+                cpu = row.get("supervisor_cpu_us") if row else None
+                report.append(check(
+                    f"W1@64 supervisor CPU / C zmq.proxy CPU at 8 in flight, batching {config}",
+                    cpu / proxy_us if cpu else None, "<=", bound,
+                    f"{cpu} us vs {proxy_us} us per request; one supervisor core routes about "
+                    f"{1e6 / cpu:,.0f} requests/s" if cpu else "not measured"))
     if any(row["system"] == "gateway" for row in rows):
         grpc1, native1 = gw(rows, "W1", 1, "gRPC", False), mw(rows, "W1", 1, "off")
         report.append(check("W1@1 gateway gRPC p50 / native client p50",
@@ -1109,11 +1125,18 @@ def main(argv=None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="mwsrv-", dir="/tmp"))
     notes: list[str] = []
     rows: list[dict] = []
+    floor = None
     try:
         workloads = make_workloads(args.workload_names)
         if "modelwarden" in args.systems:
             print("modelwarden (ZeroMQ ipc, 2 workers x 1 thread)", flush=True)
             rows += bench_modelwarden(workdir, workloads, args.levels, timing, notes)
+            if "W1" in workloads and 64 in args.levels:
+                floor = bench_proxy_cpu(workdir, multiprocessing.get_context("spawn"),
+                                        2000 if args.quick else 20000)
+                print("the floor, a C zmq.proxy's CPU per 1 KiB request: " + ", ".join(
+                    f"{row['proxy_cpu_us']} us at {n} in flight" for n, row in floor.items()),
+                    flush=True)
         if "gateway" in args.systems:
             print("modelwarden's KServe v2 gateway (REST and gRPC, 2 workers x 1 thread)", flush=True)
             rows += bench_gateway(workdir, workloads, args.levels, timing, notes)
@@ -1127,9 +1150,9 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print_table(rows, workloads)
-    report = targets(rows, workloads)
+    report = targets(rows, workloads, floor)
     write_results(args.json, rows, report, notes, started, {
-        "machine": measured_on, "command": command(),
+        "machine": measured_on, "command": command(), "proxy_floor": floor,
         "timing": {"warmup_s": timing.warmup_s, "duration_s": timing.duration_s},
         "workloads": {w.name: {"title": w.title, "kind": w.kind, "kwargs": w.kwargs,
                                "input_shape": w.input_shape, "forward_p50_ms": w.forward_p50_ms,
