@@ -224,18 +224,28 @@ with Client(endpoint) as client:
 """
 
 
-def client(workdir: Path, tree: Path, requests: int) -> int:
-    """Instructions per sequential 1 KiB round trip in a client process of ``tree``, against a
-    daemon of the same tree (running natively): the client's codec, its sockets, its poll."""
+def identity_daemon(workdir: Path, side: str, tree: Path, workers: int):
+    """(runtime folder, workload, config text) of a daemon of ``tree`` serving a 1 KiB identity
+    model as "w1" with ``workers`` workers: the round trips the client and worker rows count."""
     from bench import serving
 
     workloads = serving.make_workloads(["W1"])
     workload = dataclasses.replace(workloads["W1"], inputs=[torch.randn(256)], kind="identity",
                                    kwargs={})
-    runtime = workdir / "client" / tree.name
+    runtime = workdir / side / tree.name
     runtime.mkdir(parents=True)
     text = serving.mw_config_text(runtime / "run", {"W1": workload}, None).replace(
-        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
+        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]').replace(
+        "workers = 2", f"workers = {workers}")
+    return runtime, workload, text
+
+
+def client(workdir: Path, tree: Path, requests: int) -> int:
+    """Instructions per sequential 1 KiB round trip in a client process of ``tree``, against a
+    daemon of the same tree (running natively): the client's codec, its sockets, its poll."""
+    from bench import serving
+
+    runtime, workload, text = identity_daemon(workdir, "client", tree, 2)
     daemon, endpoint = serving.start_daemon(runtime, "daemon", text, {"w1": workload}, tree=tree)
     out = runtime / "client.out"
     try:
@@ -257,14 +267,7 @@ def worker(workdir: Path, tree: Path, requests: int) -> int:
     from bench import serving
     from modelwarden.client.client import Client
 
-    workloads = serving.make_workloads(["W1"])
-    workload = dataclasses.replace(workloads["W1"], inputs=[torch.randn(256)], kind="identity",
-                                   kwargs={})
-    runtime = workdir / "worker" / tree.name
-    runtime.mkdir(parents=True)
-    text = serving.mw_config_text(runtime / "run", {"W1": workload}, None).replace(
-        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]').replace("workers = 2",
-                                                                          "workers = 1")
+    runtime, workload, text = identity_daemon(workdir, "worker", tree, 1)
     out = runtime / "worker.out"
     script = runtime / "python-under-callgrind"
     script.write_text(f'#!/bin/sh\nexec {" ".join(valgrind(out))}.%p {sys.executable} "$@"\n')
