@@ -29,6 +29,7 @@ from modelwarden.shared.descriptors import (ElementList, decode_elements, elemen
                                             inline_desc, shm_desc)
 from modelwarden.shared.protocol import (DTYPES, ELEMENT_PREFIX, MAX_ELEMENT_BYTES, MAX_ELEMENTS,
                                          TensorDesc)
+from modelwarden.shared.sockets import COPY_BELOW
 
 try:
     import cython  # compiled: Cython's own; uncompiled: its shadow module, when installed
@@ -38,9 +39,9 @@ except ImportError:
 # Compiled, this module is an extension (its __file__ a .so): codec.pxd gives _copied its C call.
 COMPILED = not __file__.endswith(".py")
 # An inline frame this small is copied into bytes through the tensor's data pointer: the socket
-# copies a part below its own COPY_BELOW (64 KiB, shared/sockets.py) anyway, and a numpy view
-# costs several times the copy. A larger frame is a numpy view, sent without a copy.
-COPIED_BELOW = 65536
+# copies a part below its COPY_BELOW anyway, and a numpy view costs several times the copy. A
+# larger frame is a numpy view, sent without a copy. One threshold for both: the socket's.
+COPIED_BELOW = COPY_BELOW
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -229,8 +230,8 @@ _ndarray = np.ndarray
 
 def from_bytes(buffer: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``buffer`` (a frame, or anything else with the buffer protocol, or a numpy
-    uint8 array over shared memory), without a copy. The tensor keeps ``buffer`` itself alive: a finalizer on it (the
-    client's region release) runs only once the tensor is gone."""
+    uint8 array over shared memory), without a copy. The tensor keeps ``buffer`` itself alive:
+    a finalizer on it (the client's region release) runs only once the tensor is gone."""
     if isinstance(buffer, np.ndarray):
         # torch holds this very array; a numpy view of it would hold only its memory's owner.
         flat = torch.from_numpy(buffer)
@@ -239,7 +240,7 @@ def from_bytes(buffer: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
         return flat.reshape(shape)
     # A frame: one numpy array made in its shape over the frame's memory (a third cheaper than
     # np.frombuffer + reshape, which cost a fraction of torch.frombuffer + reshape). The array
-    # holds the frame (the memoryview's owner), which holds libzmq's message.
+    # holds the buffer's owner (the frame itself, or a memoryview's), which holds the memory.
     tensor = torch.from_numpy(_ndarray(shape, NUMPY_VIEWS[dtype], buffer))
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
