@@ -14,6 +14,7 @@ COMPILED: dict[str, str] = {
     "modelwarden.shared.protocol": "shared/protocol.py",
     "modelwarden.shared.descriptors": "shared/descriptors.py",
     "modelwarden.shared.sockets": "shared/sockets.py",
+    "modelwarden.shared.link": "shared/link.py",
     # the supervisor's per-request work
     "modelwarden.supervisor.routing.router": "supervisor/routing/router.py",
     "modelwarden.supervisor.routing.service": "supervisor/routing/service.py",
@@ -28,6 +29,7 @@ COMPILED: dict[str, str] = {
     "modelwarden.supervisor.timers": "supervisor/timers.py",
     # the worker's side of the request path: what the router reads of each worker per request
     "modelwarden.supervisor.fleet.handle": "supervisor/fleet/handle.py",
+    "modelwarden.supervisor.fleet.slot": "supervisor/fleet/slot.py",
     "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
     "modelwarden.supervisor.routing.quotas": "supervisor/routing/quotas.py",
     # the codec of the client and the worker

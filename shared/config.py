@@ -311,7 +311,6 @@ class DaemonConfig(_Strict):
     control: str | None = None
     curve: CurveConfig | None = None
     allow_plaintext_tcp: bool = False
-    backend: str | None = None
     admin: str | None = None
     allow_oversubscription: bool = False
     shm: bool = True
@@ -383,11 +382,19 @@ class DaemonConfig(_Strict):
             raise ValueError(f"the control endpoint must be ipc://PATH, got {value!r}")
         return value
 
-    @field_validator("backend", "admin")
+    @model_validator(mode="before")
+    @classmethod
+    def _no_backend(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "backend" in values:
+            raise ValueError("daemon.backend: there is no backend endpoint to set (each worker "
+                             "is reached on a private socket pair); remove the key")
+        return values
+
+    @field_validator("admin")
     @classmethod
     def _private_endpoint(cls, value: str | None) -> str | None:
         # Only the file system can say who may connect (see docs/ARCHITECTURE.md, "Trust
-        # boundary"): these two never go over tcp.
+        # boundary"): it never goes over tcp.
         if value is not None and not re.match(r"^ipc://.+", value):
             raise ValueError(f"endpoint {value!r}: must be ipc://PATH (in a directory only the "
                              "daemon's user can enter)")
@@ -532,12 +539,8 @@ class Settings(BaseSettings):
 
     @property
     def private_dir(self) -> Path:
-        """Mode 0700 whatever ``shm_group`` says: the workers' and the admin's sockets."""
+        """Mode 0700 whatever ``shm_group`` says: the admin socket."""
         return self.runtime_dir / "private"
-
-    @property
-    def backend_endpoint(self) -> str:
-        return self.daemon.backend or f"ipc://{self.private_dir}/backend.sock"
 
     @property
     def admin_endpoint(self) -> str:
@@ -650,7 +653,6 @@ class WorkerSpec:
     cores: list[int]
     threads: int
     device: str
-    backend: str
     supervisor_pid: int
     base_dir: str
     python_path: list[str] = field(default_factory=list)
@@ -661,10 +663,9 @@ class WorkerSpec:
     log_format: str = "text"
     version: str = ""  # the model's version (supervisor/fleet/versions.py); in every reply header
     standby: int | None = None  # a standby's serial number until it is promoted (then None)
-    # Fresh random bytes for every incarnation (supervisor.workerauth): the routing id cannot be
-    # guessed and the secret proves the sender is the process we spawned. Both travel only in
-    # this pickled spec, through multiprocessing's spawn pipe: never argv, never environment.
-    identity: bytes = field(default=b"", repr=False)
+    # Fresh random bytes for every incarnation (supervisor.workerauth): the secret proves the
+    # speaker on its link is the process we spawned. It travels only in this pickled spec,
+    # through multiprocessing's spawn pipe: never argv, never environment.
     secret: bytes = field(default=b"", repr=False)
 
     @property

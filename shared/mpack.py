@@ -351,6 +351,22 @@ def pack_uint(value):
     return bytes(out[:put_uint(out, 0, value)])
 
 
+def pack_after(prefix, value):
+    """``prefix + pack_uint(value)`` as one new bytes object (a map's packed keys, then its last
+    value: the supervisor's run message). Compiled, written straight into it."""
+    if not COMPILED:
+        return prefix + pack_uint(value)
+    if not 0 <= value <= 0xFFFFFFFFFFFFFFFF:
+        raise OverflowError("Integer value out of range")
+    size = PyBytes_GET_SIZE(prefix)
+    end = put_uint(buf, 0, value)
+    out = PyBytes_FromStringAndSize(cython.NULL, size + end)
+    data = PyBytes_AS_STRING(out)
+    memcpy(data, PyBytes_AS_STRING(prefix), size)
+    memcpy(data + size, buf, end)
+    return out
+
+
 def put_uint(data, pos, value):
     """``value`` (0 <= value < 2**64) in msgpack's shortest unsigned form, written into ``data``
     (compiled: a C buffer; uncompiled: a bytearray) from ``pos``, which must leave 9 bytes of

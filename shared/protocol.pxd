@@ -5,7 +5,7 @@
 cimport cython
 from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_FromObject, PyBytes_FromStringAndSize,
                             PyBytes_GET_SIZE)
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 cimport modelwarden.shared.mpack as mpack
 from modelwarden.shared.mpack cimport (pack as pack_value, pack_uint, read_at, uint_at,
@@ -27,7 +27,7 @@ cdef class Envelope:
 cdef class InferRequest:
     cdef public object id, model, tree, tensors, timeout_ms, out
     cdef public dict derived
-    cpdef set buffers(self)
+    cpdef object buffers(self)
 
 
 cdef class InferCache:
@@ -41,6 +41,9 @@ cdef class InferCache:
     cpdef learn(self, object header, InferRequest parsed, Py_ssize_t n_frames)
 
 
+cdef bint _holds_at(bytes data, Py_ssize_t start, bytes expected) noexcept
+@cython.locals(request=InferRequest)
+cdef InferRequest _with_id(InferRequest parsed, object rid)
 cpdef object unpack_header(object buf, bint strict=*)
 @cython.locals(route=list, body=list)
 cpdef Envelope split_router_message(object frames)

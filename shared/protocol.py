@@ -129,7 +129,7 @@ INFER = "infer"         # client -> supervisor: one inference request
 CLIENT_HELLO = "hello"  # client -> supervisor: what do you serve (the offer: models, shm, channel)
 
 
-# -- backend message types ----------------------------------------------------------------------
+# -- worker link message types (shared/link.py) -------------------------------------------------
 # The supervisor <-> worker messages (internal; worker/serve.py's docstring is their spec). Both
 # sides name them by these constants, never by literals.
 RUN = "run"            # supervisor -> worker: one request, or the probe
@@ -256,7 +256,7 @@ def _counts_after(data: bytes, pos: int, keys: tuple) -> list | None:
     by a non-negative int in a form ``pack_uint`` writes, and nothing after; else None."""
     counts = []
     for key in keys:
-        if not data.startswith(key, pos):
+        if not _holds_at(data, pos, key):
             return None
         pos += len(key)
         end = value_end(data, pos, 0)
@@ -626,15 +626,46 @@ class InferRequest:
         self.out = out  # (token, offset, nbytes), or None
         self.derived = {} if derived is None else derived
 
-    def buffers(self) -> set[str]:
-        """The tokens this request references."""
-        tokens = set()
+    def buffers(self) -> "set[str] | frozenset":
+        """The tokens this request references (most reference none: no set is made for them)."""
+        tokens = None
         for desc in self.tensors:
             if desc.shm is not None:
+                if tokens is None:
+                    tokens = set()
                 tokens.add(desc.shm[0])
         if self.out is not None:
+            if tokens is None:
+                tokens = set()
             tokens.add(self.out[0])
-        return tokens
+        return _NO_TOKENS if tokens is None else tokens
+
+
+_NO_TOKENS = frozenset()
+
+
+def _holds_at(data: bytes, start: int, expected: bytes) -> bool:
+    """``data.startswith(expected, start)`` for ``0 <= start``, compiled without a method call
+    (a quarter of the request path's header reading went on them)."""
+    if COMPILED:
+        return (start + PyBytes_GET_SIZE(expected) <= PyBytes_GET_SIZE(data)
+                and memcmp(PyBytes_AS_STRING(data) + start, PyBytes_AS_STRING(expected),
+                           PyBytes_GET_SIZE(expected)) == 0)
+    return data.startswith(expected, start)
+
+
+def _with_id(parsed: InferRequest, rid) -> InferRequest:
+    """``parsed`` for another ``id``: the same checked request, its fields shared, made without
+    a call of ``__init__`` (compiled, a new object and seven C fields set)."""
+    request = InferRequest.__new__(InferRequest)
+    request.id = rid
+    request.model = parsed.model
+    request.tree = parsed.tree
+    request.tensors = parsed.tensors
+    request.timeout_ms = parsed.timeout_ms
+    request.out = parsed.out
+    request.derived = parsed.derived
+    return request
 
 
 def parse_infer(header: dict, n_frames: int) -> InferRequest:
@@ -693,14 +724,15 @@ class InferCache:
                 return None
             tail = len(header) - end
             for suffix, inline, parsed in group:
-                if len(suffix) == tail and header.endswith(suffix):
+                if len(suffix) == tail and _holds_at(header, end, suffix):
                     if inline != n_frames:
                         return None
-                    rid = usable_id(read_at(header, length, end, MAX_ID_BYTES))
-                    if rid is None:
-                        return None
-                    return InferRequest(rid, parsed.model, parsed.tree, parsed.tensors,
-                                        parsed.timeout_ms, parsed.out, parsed.derived)
+                    rid = uint_at(header, length, end)  # the usual id: a count, read as one
+                    if not 0 <= rid <= MAX_INT:
+                        rid = usable_id(read_at(header, length, end, MAX_ID_BYTES))
+                        if rid is None:
+                            return None
+                    return _with_id(parsed, rid)
             return None
         return None
 

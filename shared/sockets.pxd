@@ -146,7 +146,7 @@ cdef extern from *:
 
 
 cdef class Poller:
-    cdef public list items, quiet
+    cdef public list items, quiet, writing
     cdef public bint stale
     cdef Py_ssize_t capacity
     cdef long long rounds
@@ -155,7 +155,7 @@ cdef class Poller:
 
     @cython.locals(count=cython.int, index=cython.int, found=cython.int, rc=cython.int,
                    wait=cython.int, code=cython.int, every=cython.bint, expired=cython.bint,
-                   deadline=cython.double, readable=cython.int)
+                   deadline=cython.double, readable=cython.int, found_before=cython.int)
     cdef list _poll_c(self, int timeout)
     @cython.locals(readable=cython.int, code=cython.int)
     cdef int _readable(self, void *socket) except -2
@@ -170,7 +170,7 @@ cdef class Part:
     cdef bint writable
 
 
-cdef int _SNDMORE, _NOBLOCK, _POLLIN, _POLLIN_FD, _EAGAIN, _EINTR
+cdef int _SNDMORE, _NOBLOCK, _POLLIN, _POLLOUT, _POLLIN_FD, _POLLOUT_FD, _EAGAIN, _EINTR
 cdef object _FRAME
 cdef long long QUIET_CHECK_EVERY
 cdef Py_ssize_t _COPY_BELOW

@@ -36,7 +36,9 @@ COMPILED = not __file__.endswith(".py")
 _SNDMORE = int(zmq.SNDMORE)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
+_POLLOUT = int(zmq.POLLOUT)
 _POLLIN_FD = 1  # poll(2)'s POLLIN on Linux
+_POLLOUT_FD = 4  # and its POLLOUT
 COPY_BELOW = 65536  # a part this small is copied into bytes: cheaper than keeping libzmq's
 _COPY_BELOW = COPY_BELOW
 _EAGAIN = _errno.EAGAIN
@@ -337,6 +339,7 @@ class Poller:
     def __init__(self):
         self.items = []  # registered, in order
         self.quiet = []  # the registered zmq sockets that are quiet
+        self.writing = []  # the registered descriptors also watched for writing
         self.stale = True  # the C arrays no longer match ``items``
         self.capacity = 0
         self.rounds = 0
@@ -353,14 +356,28 @@ class Poller:
         self.items.remove(item)  # ValueError if it was not registered
         if item in self.quiet:
             self.quiet.remove(item)
+        if item in self.writing:
+            self.writing.remove(item)
         self.stale = True
+
+    def want_write(self, item, wanted):
+        """Whether a registered descriptor is reported ready when it can be written too (a
+        worker link with bytes waiting: shared/link.py), not only when it can be read."""
+        if wanted and item not in self.writing:
+            self.writing.append(item)
+            self.stale = True
+        elif not wanted and item in self.writing:
+            self.writing.remove(item)
+            self.stale = True
 
     def poll(self, timeout=None):
         timeout = -1 if timeout is None else int(timeout)
         if COMPILED:
             return self._poll_c(timeout)
         keys = [item if isinstance(item, (zmq.Socket, int)) else item.fileno() for item in self.items]
-        ready = {key for key, _ in zmq.zmq_poll([(key, zmq.POLLIN) for key in keys], timeout)}
+        ready = {key for key, _ in zmq.zmq_poll(
+            [(key, _POLLIN | (_POLLOUT if item in self.writing else 0))
+             for key, item in zip(keys, self.items)], timeout)}
         return [item for item, key in zip(self.items, keys) if key in ready]
 
     def _poll_c(self, timeout):
@@ -390,6 +407,7 @@ class Poller:
             every = False
             if found:
                 wait = 0  # something to do now: only look at the descriptors
+            found_before = found  # then a wait of 0 that finds nothing did not run out
             with cython.nogil:
                 rc = mw_poll(fds, count, wait)
             if rc < 0:
@@ -398,7 +416,7 @@ class Poller:
                     PyErr_CheckSignals()
                     return []
                 raise OSError(code, os.strerror(code))
-            expired = rc == 0 and wait >= 0
+            expired = rc == 0 and wait >= 0 and not found_before
             for index in range(count):
                 if items[index].ready:
                     continue
@@ -474,7 +492,7 @@ class Poller:
                 self.c_items[index].check = 0
                 fd = item if isinstance(item, int) else item.fileno()
             self.c_fds[index].fd = fd
-            self.c_fds[index].events = _POLLIN_FD
+            self.c_fds[index].events = _POLLIN_FD | (_POLLOUT_FD if item in self.writing else 0)
             self.c_fds[index].revents = 0
         self.stale = False
 

@@ -5,7 +5,7 @@ level-triggered, shared/sockets.Poller, so the next pass sees whatever is left),
 turn; client and worker messages are drained by supervisor/routing/intake.py, compiled.
 Everything that happens is an event on the poller: a client message (frontend ROUTERs), a buffer-channel connection or
 message (raw Unix sockets, ``supervisor/routing/bufferserver.py``), a worker
-message (backend ROUTER, admitted by supervisor/fleet/workerauth.py), a control command (control ROUTER:
+message (its link, shared/link.py, admitted by supervisor/fleet/workerauth.py), a control command (control ROUTER:
 read-only; admin ROUTER: all), a signal (the wakeup socket that
 ``signal.set_wakeup_fd`` writes to), or a worker's death (its ``Process.sentinel``). Timers --
 request deadlines, backoff restarts, kill escalation, the health tick -- set the poll timeout,
@@ -37,6 +37,7 @@ import zmq
 
 from modelwarden import compiled
 from modelwarden.shared import __version__, protocol
+from modelwarden.shared.link import Link
 from modelwarden.shared.sockets import Poller, recv_parts, send_parts
 from modelwarden.shared.config import ConfigError, ModelConfig, Settings, WorkerSpec, load_settings
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, NO_WORKER, SHUTTING_DOWN, SIGNATURE,
@@ -66,7 +67,7 @@ from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resou
 from modelwarden.supervisor.timers import Timers
 from modelwarden.supervisor.eventloop import EventLoop
 from modelwarden.supervisor.fleet.versions import VersionBook
-from modelwarden.supervisor.fleet.workerauth import BackendGate, new_credentials
+from modelwarden.supervisor.fleet.workerauth import WorkerGate, new_secret
 from modelwarden.worker import main as worker_main
 
 logger = logging.getLogger(__name__)
@@ -105,10 +106,9 @@ class Arbiter:
         self.stopping = False
         self._stop_deadline: float | None = None
         self._workers_told_to_stop = False
-        self._by_identity: dict[bytes, WorkerHandle] = {}
-        self.workers = self._by_identity  # by backend routing id: what the intake reads
-        self.gate = BackendGate(self.clock)
+        self.gate = WorkerGate(self.clock)
         self._by_sentinel: dict[int, WorkerHandle] = {}
+        self._watched_links: set[int] = set()  # the link descriptors in the loop
         self._spawn = multiprocessing.get_context("spawn")
         self._lock = None
         self.context = zmq.Context()
@@ -116,7 +116,6 @@ class Arbiter:
         self.frontends: list[zmq.Socket] = []
         self._frontend_is_ipc: list[bool] = []
         self.frontend_transports: list[str] = []  # how each frontend's peers are known (identity)
-        self.backend: zmq.Socket | None = None
         self.control: zmq.Socket | None = None
         self.connections: ConnectionGuard | None = None
         self.server_keys = auth.read_server_keys(settings)  # None: tcp frontends are plaintext
@@ -160,8 +159,7 @@ class Arbiter:
                                            quotas=self.quotas)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
         claim_private_dir(self.settings.private_dir)
-        for endpoint in (self.settings.backend_endpoint, self.settings.admin_endpoint):
-            check_private_endpoint(Path(endpoint[len("ipc://"):]))
+        check_private_endpoint(Path(self.settings.admin_endpoint[len("ipc://"):]))
         self._bind()
         self._start_observers()
         self._open_buffer_channel()
@@ -250,16 +248,14 @@ class Arbiter:
         self._bind_private()
 
     def _bind_private(self) -> None:
-        """The sockets only the daemon's user may reach: workers and mutating commands."""
+        """The socket only the daemon's user may reach: mutating commands. (Workers are reached
+        on links, which have no address at all.)"""
         old_umask = os.umask(0o077)
         try:
             self.admin = self._router_socket(self.settings.admin_endpoint, client_facing=True,
                                              private=True)
             self._on(self.admin, self._on_admin, quiet=True)
             self._watch_connections(self.admin, self.settings.admin_endpoint, pausable=False)
-            self.backend = self._router_socket(self.settings.backend_endpoint, client_facing=False,
-                                               private=True)
-            self._on(self.backend, self.intake.drain_workers)
         finally:
             os.umask(old_umask)
         auth.warn_plaintext(self.settings)
@@ -306,7 +302,7 @@ class Arbiter:
 
     def _on(self, item, handler, quiet: bool = False) -> None:
         """``quiet``: a zmq socket only its handler reads or writes (shared/sockets.Poller): the
-        frontends and the backend are not, since the router writes to them between polls."""
+        frontends are not, since the router writes to them between polls."""
         self.loop.watch(item, handler, quiet)
 
     def _off(self, item) -> None:
@@ -337,7 +333,7 @@ class Arbiter:
         self.registry.close()
         if self.connections is not None:
             self.connections.close()
-        for sock in (*self.frontends, self.control, self.admin, self.backend):
+        for sock in (*self.frontends, self.control, self.admin):
             if sock is not None:
                 sock.close()
         if self.zap is not None:
@@ -449,22 +445,15 @@ class Arbiter:
             reply = protocol.error_header(request_id, INTERNAL, "internal error; see the daemon's log")
         send_parts(sock, [*protocol.reply_route(frames), SIGNATURE, protocol.pack(reply)])
 
-    def worker_message(self, frames: list) -> None:
-        """A worker message off the request path (supervisor/routing/intake.py hands over every
-        one but an authenticated worker's result): the backend gate, then what it says."""
-        identity = bytes(frames[0])
-        handle = self._by_identity.get(identity)
-        header = None
-        if handle is not None and len(frames) < 2:
-            self.gate.refuse(identity, "a message with no header")
+    def worker_message(self, handle: WorkerHandle, frames: list) -> None:
+        """A message of ``handle``'s off the request path (supervisor/routing/intake.py hands
+        over every one but an authenticated worker's result): the gate, then what it says."""
+        try:
+            header = protocol.unpack_header(frames[0], strict=False)
+        except ProtocolError as exc:
+            self.gate.refuse(handle, f"unreadable header: {exc.message}")
             return
-        if handle is not None:
-            try:
-                header = protocol.unpack_header(frames[1], strict=False)
-            except ProtocolError as exc:
-                self.gate.refuse(identity, f"unreadable header: {exc.message}")
-                return
-        if not self.gate.admit(identity, handle, header) or header is None:
+        if not self.gate.admit(handle, header):
             return
         if not handle.alive:
             return  # declared dead (hung, timed out): whatever it says now is too late
@@ -472,9 +461,9 @@ class Arbiter:
         pool = self.fleet.pool_of(handle)
         kind = header.get("type")
         if kind == protocol.RESULT:
-            self.router.on_result(pool, handle, header, frames[2:])
+            self.router.on_result(pool, handle, header, frames[1:])
         elif kind == protocol.RESULTS:
-            self.router.on_results(pool, handle, header, frames[2:])
+            self.router.on_results(pool, handle, header, frames[1:])
         elif kind == protocol.HEARTBEAT:
             handle.cuda_bytes = header.get("cuda_bytes")
         elif kind == protocol.STATE:
@@ -493,6 +482,10 @@ class Arbiter:
             return  # a stale event: this fd was reaped earlier in the pass and reused since
         dead = [handle] + [other for other in self._dead_now() if other is not handle]
         owners = [self.fleet.pool_of(gone) for gone in dead]
+        for gone in dead:
+            # What it wrote before it died is still in its link: an answer it sent is relayed,
+            # not retried as if it had never come.
+            self.intake.drain_link(gone)
         for gone in dead:
             self._reap(gone)
         for gone, pool in zip(dead, owners):
@@ -516,10 +509,27 @@ class Arbiter:
         handle.exitcode = process.exitcode
         self._off(handle.sentinel)
         self._by_sentinel.pop(handle.sentinel, None)
-        self._by_identity.pop(handle.identity, None)
         process.close()  # frees the sentinel fd: a long-lived daemon restarts many workers
+        self.link_closed(handle)
+        handle.link.close()
         handle.buffer_socket.close()
         handle.buffers.clear()
+
+    def link_closed(self, handle: WorkerHandle) -> None:
+        """``handle``'s link is done, and is read no more. The worker closed it: it is exiting,
+        and its sentinel says the rest (one that closed it and lives on stops beating, and is
+        killed as hung). Or it wrote what is no link frame: nothing it says can be read any
+        more, so it is killed now and what it held is retried (its slot restarts)."""
+        link = handle.link
+        if link.fd in self._watched_links:
+            self._watched_links.discard(link.fd)
+            self._off(link.fd)
+        if link.error is None or not handle.alive or _exited(handle):
+            return
+        logger.error("%s pid %s: %s; killing it", handle.worker_id, handle.pid, link.error)
+        pool = self.fleet.pool_of(handle)
+        if pool is not None:
+            pool.terminate(handle, "garbled link")
 
     # -- timers -----------------------------------------------------------------------------
 
@@ -553,12 +563,11 @@ class Arbiter:
         if not tokens:
             return
         revoked = set(tokens)
-        for handle in self._by_identity.values():
+        for handle in self._by_sentinel.values():
             held = handle.buffers & revoked
             if held:
                 handle.buffers -= held
-                send_parts(self.backend, [handle.identity,
-                                          protocol.pack({"type": protocol.FORGET, "tokens": sorted(held)})])
+                handle.link.send([protocol.pack({"type": protocol.FORGET, "tokens": sorted(held)})])
 
     def _watchdog(self) -> None:
         self.notifier.watchdog()
@@ -570,43 +579,52 @@ class Arbiter:
                     placement: SlotPlacement) -> WorkerSpec:
         daemon = self.settings.daemon
         python_path = self._python_path()
-        identity, secret = new_credentials()
+        secret = new_secret()
         return WorkerSpec(model=config, slot=slot, generation=generation, cores=placement.cores,
                           threads=placement.threads, device=placement.device,
-                          backend=self.settings.backend_endpoint, supervisor_pid=self.pid,
+                          supervisor_pid=self.pid,
                           base_dir=str(self.settings.base_dir), python_path=python_path,
                           heartbeat_interval=daemon.heartbeat_interval,
                           shm_threshold=daemon.shm_threshold, log_level=daemon.log_level,
                           max_mapped_bytes=self.registry.max_bytes,
-                          log_format=daemon.log_format, identity=identity, secret=secret,
+                          log_format=daemon.log_format, secret=secret,
                           version=self.versions.of(config))
 
     def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:
-        # A private SEQPACKET pair carries buffer descriptors to this worker (spawn duplicates the
-        # child's end into it); the supervisor keeps only its own end.
+        # Two private socket pairs, whose child ends spawn duplicates into this worker alone (the
+        # supervisor keeps only its own ends): the link every message travels on
+        # (shared/link.py), and the SEQPACKET pair that carries buffer descriptors.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         buffers, child_buffers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        process = self._spawn.Process(target=worker_main.run, args=(spec, child_buffers),
+        process = self._spawn.Process(target=worker_main.run, args=(spec, child_buffers, theirs),
                                       name=f"modelwarden worker {spec.worker_id}")
         try:
             process.start()
         except BaseException:
             buffers.close()
+            ours.close()
             raise
         finally:
             child_buffers.close()
+            theirs.close()
         buffers.setblocking(False)
+        # No message of a worker's can be larger than what the daemon would let wait unread for
+        # its clients: anything larger is garbage from a broken worker, refused by its length.
+        link = Link(ours, max_bytes=self.settings.daemon.max_unread_bytes)
+        link.on_pending = functools.partial(self.loop.poller.want_write, link.fd)
         now = self.clock()
         handle = WorkerHandle(spec, process, process.pid, process.sentinel, started_at=now,
-                              on_state=on_state, last_seen=now, buffer_socket=buffers)
-        self._by_identity[spec.identity] = handle
+                              on_state=on_state, last_seen=now, buffer_socket=buffers, link=link)
         self._by_sentinel[process.sentinel] = handle
         self._on(process.sentinel, functools.partial(self._on_sentinel, handle))
+        self._watched_links.add(link.fd)
+        self._on(link.fd, functools.partial(self.intake.drain_link, handle))
         logger.info("%s: spawned pid %d on %s, version %s", spec.worker_id, process.pid,
                     spec.placement, spec.version)
         return handle
 
     def send_stop(self, handle: WorkerHandle) -> None:
-        send_parts(self.backend, [handle.identity, protocol.pack({"type": protocol.STOP})])
+        handle.link.send([protocol.pack({"type": protocol.STOP})])
 
     def signal_worker(self, handle: WorkerHandle, signum: int) -> None:
         handle.signal(signum)
@@ -616,7 +634,7 @@ class Arbiter:
 
     def send_promote(self, handle: WorkerHandle) -> None:
         spec = handle.spec
-        send_parts(self.backend, [handle.identity, protocol.pack(
+        handle.link.send([protocol.pack(
             {"type": protocol.PROMOTE, "slot": spec.slot, "generation": spec.generation,
              "cores": list(spec.cores), "threads": spec.threads})])
 
@@ -734,3 +752,8 @@ class Arbiter:
             return
         self._workers_told_to_stop = True
         self.fleet.shut_down()
+
+
+def _exited(handle: WorkerHandle) -> bool:
+    """The worker's process is gone (its sentinel is ready), reaped or not."""
+    return handle.exitcode is not None or bool(multiprocessing.connection.wait([handle.sentinel], 0))

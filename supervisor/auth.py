@@ -4,7 +4,7 @@ The contract:
 
 - With ``[daemon.curve]``, every ``tcp://`` frontend is a CURVE server holding the key pair of
   ``server_secret_key``: traffic is encrypted and each client proves a key pair. ``ipc://``
-  frontends, the control socket and the backend stay NULL: file permissions guard them.
+  frontends, the control socket and the admin socket stay NULL: file permissions guard them.
 - A client is admitted only if its public key is in a ``*.key`` file in ``client_keys``. libzmq
   asks ZAP at every CURVE handshake; ``ZapHandler`` answers on the REP socket that pyzmq's
   ``Authenticator.start()`` binds at ``inproc://zeromq.zap.01`` of the daemon's context. The

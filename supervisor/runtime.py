@@ -7,8 +7,10 @@ Layout (docs/ARCHITECTURE.md, "Trust boundary"):
       control.sock         0600, or 0660 group-owned: read-only commands (status)
       modelwarden.pid      0600, the lock: only the daemon's user can open it, so only it can lock it
       private/             0700 always: only the daemon's user (and root) may enter
-        backend.sock       workers
         admin.sock         commands that change things (stop, restart)
+
+Workers have no socket here: each is reached on a socket pair made when it is spawned
+(shared/link.py), which has no path at all.
 
 Checked, never repaired. A directory that is absent is created with exactly the mode above. One
 that exists is accepted only if it is a real directory (not a symlink), owned by our euid, with
@@ -135,7 +137,7 @@ def _create_dir(path: Path, mode: int, gid: int | None) -> None:
 
 
 def check_private_endpoint(path: Path) -> None:
-    """A configured backend/admin socket must lie in a directory only our user can enter."""
+    """A configured admin socket must lie in a directory only our user can enter."""
     directory = path.parent
     try:
         info = os.lstat(directory)

@@ -22,8 +22,12 @@ Faults:
   load_error  raises while loading (the worker exits with code 4); with ``while_exists=PATH``
               only while the file PATH exists (a transient fault a test clears)
   load_hang   never returns from loading (the worker never reports READY)
+  garble_link writes what is no frame (a message of 0 parts) on its worker's link, the
+              descriptor a model's code can find in its own process, then answers
 
 ``load_delay=S`` makes loading take S seconds more, whatever the fault (a big model's load).
+``helper_thread=True`` starts an idle thread at load, as many libraries do (a tokenizer's pool,
+a data loader): a worker's threads are then more than its serving loop.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import socket
 import threading
 
 import torch
@@ -112,6 +117,17 @@ class Faulty(nn.Module):
             block = bytearray(self.leak_mb * 1024 * 1024)
             block[::4096] = b"x" * len(block[::4096])  # touch every page: make it resident
             self.hoard.append(block)
+        elif self.fault == "garble_link":
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    found = socket.socket(fileno=int(fd))
+                except OSError:
+                    continue
+                try:
+                    if found.family == socket.AF_UNIX and found.type == socket.SOCK_STREAM:
+                        os.write(int(fd), b"\0\0\0\0")
+                finally:
+                    found.detach()  # the worker's own descriptor: never closed here
         elif self.fault == "drift" and self.calls == self.after + 1:
             with torch.no_grad():
                 self.weight.mul_(1.0 + self.scale)
@@ -120,7 +136,9 @@ class Faulty(nn.Module):
 def make_faulty(fault: str = "none", after: int = 0, only_batch: int | None = None,
                 leak_mb: int = 32, scale: float = 0.5, delay: float = 0.0,
                 once: str | None = None, load_delay: float = 0.0, gain: float = 1.0,
-                while_exists: str | None = None) -> nn.Module:
+                while_exists: str | None = None, helper_thread: bool = False) -> nn.Module:
+    if helper_thread:
+        threading.Thread(target=threading.Event().wait, name="model-helper", daemon=True).start()
     if load_delay:
         threading.Event().wait(load_delay)  # a model that takes this long to load, any fault
     if fault == "load_error" and (while_exists is None or os.path.exists(while_exists)):

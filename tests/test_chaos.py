@@ -76,6 +76,23 @@ def test_a_hung_forward_is_killed_and_its_request_retried(tmp_path):
         assert "no heartbeat" in daemon.log()
 
 
+def test_a_model_that_garbles_its_link_is_killed_and_nothing_is_lost(tmp_path):
+    """A model's code can find its worker's link in its own process and write on it: what is no
+    frame ends the link, the worker is killed at once and its requests are retried."""
+    model = chaos_model("garbles", "garble_link", after=20, once=str(tmp_path / "armed"))
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        counts = run_load(daemon.endpoint, "garbles", reference, clients=4, requests=40)
+        assert_no_request_lost(counts)
+        back_to_full_ready(daemon)
+        log = daemon.log()
+        assert "the peer wrote a message of 0 parts: not a link frame; killing it" in log, log[-3000:]
+        causes = [c["cause"] for w in daemon.workers() for c in w["restart_causes"]]
+        assert any(cause in ("SIGTERM", "SIGKILL") for cause in causes), causes
+        assert "no heartbeat" not in log  # killed for its link, not found hung later
+        assert daemon.process.poll() is None
+
+
 def test_a_hung_probe_is_caught_and_the_worker_replaced(tmp_path):
     # batch 1 is only ever the probe here (clients send 2..5 rows): calls 1-8 are warm-up,
     # baseline and the first probe; the second probe hangs, in the first worker only (once:

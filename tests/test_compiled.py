@@ -24,7 +24,8 @@ from tests.helpers import ROOT, Daemon, mlp_model, poll_until
 UNIT_TESTS = ["tests/test_unit_mpack.py", "tests/test_unit_deadlines.py", "tests/test_unit_protocol.py", "tests/test_unit_sockets.py", "tests/test_unit_codec.py",
               "tests/test_unit_router.py", "tests/test_unit_batching.py", "tests/test_unit_requests.py",
               "tests/test_unit_limits.py", "tests/test_unit_quotas.py", "tests/test_unit_session.py",
-              "tests/test_wire_text.py", "tests/test_unit_timers.py", "tests/test_unit_eventloop.py"]
+              "tests/test_wire_text.py", "tests/test_unit_timers.py", "tests/test_unit_eventloop.py",
+              "tests/test_unit_link.py"]
 
 
 def run_in(tree: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ import grp
 import json
 import os
 import pwd
-import secrets
 import shutil
 import socket
 import stat
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 
 from modelwarden.shared import protocol, rawconfig, trustdir
 from modelwarden.client.client import Client, control_request
@@ -34,7 +32,8 @@ from modelwarden.supervisor import runtime
 from modelwarden.supervisor.arbiter import Arbiter
 from modelwarden.supervisor.fleet.handle import WorkerHandle
 from modelwarden.shared.process import DaemonError
-from modelwarden.supervisor.fleet.workerauth import WARN_EVERY_S, BackendGate
+from modelwarden.supervisor.fleet.workerauth import WARN_EVERY_S, WorkerGate
+from modelwarden.shared.link import Link
 from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config, temporary_user
 
 EXIT_DAEMON_ERROR = 1  # modelwarden/cli.py: a DaemonError (runtime directory, lock, endpoint)
@@ -90,7 +89,7 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
         assert os.stat(run_dir).st_gid == grp.getgrnam(group).gr_gid
         assert stat.S_IMODE(os.stat(run_dir / "private").st_mode) == 0o700
         assert stat.S_IMODE(os.lstat(run_dir / "control.sock").st_mode) == 0o660
-        assert stat.S_IMODE(os.lstat(run_dir / "private" / "backend.sock").st_mode) == 0o600
+        assert stat.S_IMODE(os.lstat(run_dir / "private" / "admin.sock").st_mode) == 0o600
 
         result = run_as(user, group, [_python_for_others(), "-I", "-S", str(ROOT / "tests" / "outsider.py"),
                                       site_packages, str(run_dir)])
@@ -105,10 +104,9 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
             refusal = found[f"{command}_on_control"]
             assert refusal["code"] == protocol.BAD_REQUEST, refusal
             assert "only accepted on the admin socket" in refusal["message"]
-        assert found["connect private/backend.sock"] == "PermissionError"
         assert found["connect private/admin.sock"] == "PermissionError"
-        assert found["client_on_backend"].startswith("PermissionError: permission denied: "), found
-        assert "only the daemon's user (root) or root" in found["client_on_backend"]
+        assert found["client_on_admin"].startswith("PermissionError: permission denied: "), found
+        assert "only the daemon's user (root) or root" in found["client_on_admin"]
         assert found["cli_stop"]["code"] == 3
         assert "permission denied: " in found["cli_stop"]["stderr"]
         assert "private/admin.sock" in found["cli_stop"]["stderr"]
@@ -122,82 +120,49 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
             assert client.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
 
 
-# -- forged workers ---------------------------------------------------------------------------------
+# -- the workers' links: no address, and the spawn secret first ----------------------------------
 
 
-def _forged_dealer(context: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.ROUTING_ID, identity)
-    sock.connect(endpoint)
-    return sock
+def _unix_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets process ``pid`` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
 
 
-def _send_states(sock: zmq.Socket, hello: dict | None) -> None:
-    if hello is not None:
-        sock.send(protocol.pack(hello))
-    for state in ("LOADING", "WARMING", "READY"):
-        sock.send(protocol.pack({"type": "state", "state": state, "info": {"pid": 1}}))
-    sock.send(protocol.pack({"type": "heartbeat"}))
+def _unix_paths() -> dict[int, str]:
+    """Every AF_UNIX socket of this network namespace: inode -> its path ("" when unnamed)."""
+    paths = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        paths[int(fields[6])] = fields[7] if len(fields) > 7 else ""
+    return paths
 
 
-def _received(sock: zmq.Socket) -> list:
-    messages = []
-    while sock.poll(0):
-        messages.append(sock.recv_multipart())
-    return messages
-
-
-@needs_root
-def test_forged_workers_are_refused_logged_and_never_served():
+def test_a_worker_speaks_only_on_sockets_without_an_address():
+    """Nothing a worker reads or writes has a name another process could connect to: its link
+    and its buffer pair are socket pairs, and the daemon listens on nothing for workers."""
     with Daemon([mlp_model(workers=2)]) as daemon:
         daemon.wait_ready()
-        backend = f"ipc://{daemon.dir}/run/private/backend.sock"
-        context = zmq.Context()
-        # A random identity, and the one the next incarnation of mlp#0 would have had when
-        # identities were "<model>#<slot>.<generation>".
-        forged = {b"mlp#0.2": None, secrets.token_bytes(16): {"type": "hello", "secret": b"W" * 32},
-                  secrets.token_bytes(16): {"type": "hello"}}
-        sockets = {identity: _forged_dealer(context, backend, identity) for identity in forged}
-        try:
-            for identity, sock in sockets.items():
-                for _ in range(20):  # many refusals: one warning per identity per minute
-                    _send_states(sock, forged[identity])
-            replies = []
-            with Client(daemon.endpoint) as client:
-                replies += [client.infer("mlp", np.full((1, 64), i, np.float32), details=True)
-                            for i in range(20)]
-                assert daemon.command("restart", target="mlp#0")["restarted"] == ["mlp#0"]
-                for sock in sockets.values():  # again, while the replacement boots
-                    _send_states(sock, {"type": "hello", "secret": b"W" * 32})
-                replies += [client.infer("mlp", np.full((1, 64), i, np.float32), details=True)
-                            for i in range(20)]
-            assert len(replies) == 40 and {r.worker for r in replies} <= {"mlp#0", "mlp#1"}
-
-            def replaced():
-                rows = [w for w in daemon.workers("mlp") if w["id"] == "mlp#0"]
-                return rows if [(w["generation"], w["state"]) for w in rows] == [(2, "READY")] else None
-
-            poll_until(replaced, 60, message="the real replacement of mlp#0 READY")
-            for sock in sockets.values():
-                assert _received(sock) == []  # never sent a request, a probe or a stop
-        finally:
-            for sock in sockets.values():
-                sock.close()
-            context.term()
-        log = daemon.log()
-        for identity in forged:
-            lines = [line for line in log.splitlines()
-                     if f"identity {identity[:8].hex()}" in line and "WARNING" in line]
-            assert len(lines) == 1, lines  # rate-limited to one a minute per identity
-            assert "unknown identity" in lines[0]
-        assert ("W" * 32) not in log
-        assert log.count("authenticated on the backend") == 3  # mlp#0, mlp#1, mlp#0's replacement
+        with Client(daemon.endpoint) as client:
+            assert client.infer("mlp", np.ones((1, 64), np.float32)).shape == (1, 10)
+        assert sorted(os.listdir(daemon.dir / "run" / "private")) == ["admin.sock"]
+        paths = _unix_paths()
+        for worker in daemon.workers("mlp"):
+            held = _unix_inodes(worker["pid"]) & set(paths)
+            assert len(held) >= 2, held  # its link and its buffer pair, at least
+            assert {paths[inode] for inode in held} == {""}, {i: paths[i] for i in held}
 
 
-def _arbiter_with_one_handle(tmp_path: Path) -> tuple[Arbiter, WorkerHandle]:
+def _arbiter_with_one_handle(tmp_path: Path) -> tuple[Arbiter, WorkerHandle, Link]:
     """An Arbiter that has not started (no sockets bound) and a handle registered as if it had
-    spawned it: enough to feed backend messages to ``worker_message``."""
+    spawned it, with a real link: (arbiter, handle, the worker's end of the link)."""
     config = tmp_path / "modelwarden.toml"
     config.write_text(render_config({"runtime_dir": str(tmp_path / "run")},
                                     [mlp_model(workers=1)]))
@@ -205,50 +170,57 @@ def _arbiter_with_one_handle(tmp_path: Path) -> tuple[Arbiter, WorkerHandle]:
     arbiter = Arbiter(settings)
     pool = arbiter.pools["mlp"]
     spec = arbiter.worker_spec(settings.models[0], 0, 1, pool.slots[0].placement)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     handle = WorkerHandle(spec, None, 12345, sentinel=-1, started_at=arbiter.clock(),
-                          on_state=pool._on_state, last_seen=arbiter.clock())
+                          on_state=pool._on_state, last_seen=arbiter.clock(), link=Link(ours))
     pool.slots[0].current = handle
-    arbiter._by_identity[spec.identity] = handle
-    return arbiter, handle
+    return arbiter, handle, Link(theirs, writable=True)
 
 
-def _message(identity: bytes, header: dict) -> list:
-    return [zmq.Frame(identity), zmq.Frame(protocol.pack(header))]
+def _say(arbiter: Arbiter, handle: WorkerHandle, worker_end: Link, *headers: dict) -> None:
+    """Each header as a message on the worker's end of the link, then the supervisor's round."""
+    for header in headers:
+        worker_end.send([protocol.pack(header)], True)
+    arbiter.intake.drain_link(handle)
 
 
-def test_messages_count_only_after_the_right_secret_once(tmp_path):
-    arbiter, handle = _arbiter_with_one_handle(tmp_path)
+def test_messages_count_only_after_the_right_secret_once(tmp_path, caplog):
+    arbiter, handle, worker_end = _arbiter_with_one_handle(tmp_path)
+    loading = {"type": "state", "state": "LOADING", "info": {}}
     try:
-        identity, loading = handle.identity, {"type": "state", "state": "LOADING", "info": {}}
-        arbiter.worker_message(_message(identity, loading))
-        assert handle.state == WorkerState.STARTING  # no hello yet
-        arbiter.worker_message(_message(identity, {"type": "hello", "secret": b"x" * 32}))
-        arbiter.worker_message(_message(identity, {"type": "hello", "secret": "not bytes"}))
-        arbiter.worker_message(_message(identity, loading))
-        assert handle.state == WorkerState.STARTING and not handle.authenticated
-        arbiter.worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
-        assert handle.authenticated
-        arbiter.worker_message(_message(identity, loading))
-        assert handle.state == WorkerState.LOADING
-        refused = arbiter.gate.refused
-        arbiter.worker_message(_message(identity, {"type": "hello", "secret": handle.spec.secret}))
-        assert arbiter.gate.refused == refused + 1  # a second hello is refused
-        arbiter.worker_message([zmq.Frame(identity)])
-        assert arbiter.gate.refused == refused + 2
+        with caplog.at_level("WARNING", logger="modelwarden.supervisor.fleet.workerauth"):
+            _say(arbiter, handle, worker_end, loading)
+            assert handle.state == WorkerState.STARTING  # no hello yet
+            _say(arbiter, handle, worker_end, {"type": "hello", "secret": b"x" * 32},
+                 {"type": "hello", "secret": "not bytes"}, loading)
+            assert handle.state == WorkerState.STARTING and not handle.authenticated
+            assert arbiter.gate.refused == 4
+            _say(arbiter, handle, worker_end, {"type": "hello", "secret": handle.spec.secret})
+            assert handle.authenticated
+            _say(arbiter, handle, worker_end, loading)
+            assert handle.state == WorkerState.LOADING
+            _say(arbiter, handle, worker_end, {"type": "hello", "secret": handle.spec.secret})
+            assert arbiter.gate.refused == 5  # a second hello is refused
+            worker_end.send([b"\xc1"], True)  # not msgpack
+            arbiter.intake.drain_link(handle)
+            assert arbiter.gate.refused == 6
+        lines = [record.getMessage() for record in caplog.records]
+        assert len(lines) == 1, lines  # rate-limited: one warning a minute per worker
+        assert "mlp#0 pid 12345: dropping a message on its link" in lines[0]
+        assert "x" * 32 not in caplog.text and repr(handle.spec.secret) not in caplog.text
+        assert worker_end.receive() == []  # nothing was sent to it in answer
     finally:
         arbiter.context.term()
 
 
-def test_identities_and_secrets_are_random_and_kept_out_of_repr(tmp_path):
-    arbiter, handle = _arbiter_with_one_handle(tmp_path)
+def test_secrets_are_random_and_kept_out_of_repr(tmp_path):
+    arbiter, handle, _ = _arbiter_with_one_handle(tmp_path)
     try:
         specs = [arbiter.worker_spec(handle.spec.model, 0, 1, arbiter.pools["mlp"].slots[0].placement)
                  for _ in range(3)]
-        assert len({spec.identity for spec in specs}) == 3 and len({spec.secret for spec in specs}) == 3
-        assert all(len(spec.identity) == 16 and len(spec.secret) == 32 for spec in specs)
-        assert b"mlp" not in specs[0].identity
+        assert len({spec.secret for spec in specs}) == 3
+        assert all(len(spec.secret) == 32 for spec in specs)
         assert repr(specs[0].secret) not in repr(specs[0]) and "secret=" not in repr(specs[0])
-        assert "identity=" not in repr(specs[0])
     finally:
         arbiter.context.term()
 
@@ -261,15 +233,21 @@ class _Clock:
         return self.now
 
 
-def test_gate_warns_once_a_minute_per_identity(caplog):
+class _Worker:
+    def __init__(self, worker_id: str, pid: int) -> None:
+        self.worker_id, self.pid = worker_id, pid
+
+
+def test_gate_warns_once_a_minute_per_worker(caplog):
     clock = _Clock()
-    gate = BackendGate(clock)
+    gate = WorkerGate(clock)
+    a, b = _Worker("mlp#0", 1), _Worker("mlp#1", 2)
     with caplog.at_level("WARNING", logger="modelwarden.supervisor.fleet.workerauth"):
         for _ in range(5):
-            gate.refuse(b"a" * 16, "unknown identity")
-        gate.refuse(b"b" * 16, "unknown identity")
+            gate.refuse(a, "wrong secret")
+        gate.refuse(b, "wrong secret")
         clock.now = WARN_EVERY_S + 1
-        gate.refuse(b"a" * 16, "unknown identity")
+        gate.refuse(a, "wrong secret")
     lines = [record.getMessage() for record in caplog.records]
     assert len(lines) == 3 and gate.refused == 7
     assert "4 more dropped in the last minute" in lines[2]
@@ -334,7 +312,7 @@ def test_a_wide_private_dir_and_a_file_in_a_sockets_place_are_refused(tmp_path):
     assert (run / "control.sock").read_text() == "not a socket"
 
 
-def test_backend_and_admin_must_be_private_ipc(tmp_path):
+def test_admin_must_be_private_ipc_and_there_is_no_backend_to_set(tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()
     os.chmod(shared, 0o711)
@@ -342,8 +320,9 @@ def test_backend_and_admin_must_be_private_ipc(tmp_path):
     assert result.returncode == EXIT_DAEMON_ERROR
     assert "must lie in a directory only the daemon's user can enter" in result.stderr
     assert f"{shared} has mode 0711" in result.stderr
-    result = _boot_failure(tmp_path, tmp_path / "run", backend="tcp://127.0.0.1:5599")
-    assert result.returncode == 2 and "daemon.backend" in result.stderr and "ipc://" in result.stderr
+    result = _boot_failure(tmp_path, tmp_path / "run", backend="ipc:///tmp/backend.sock")
+    assert result.returncode == 2 and "daemon.backend" in result.stderr
+    assert "no backend endpoint" in result.stderr
 
 
 def test_ensure_dir_creates_exactly_the_mode_whatever_the_umask(tmp_path):

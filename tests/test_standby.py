@@ -82,7 +82,9 @@ def promoted_into(daemon: Daemon, worker_id: str, pid: int, timeout: float = 30)
     1, pytest.param(2, marks=pytest.mark.skipif(
         len(os.sched_getaffinity(0)) < 4, reason="2 threads and a spare 2 cores need 4 cores"))])
 def test_a_killed_worker_is_replaced_by_its_standby_on_every_thread_of_the_slots_cores(threads):
-    model = standby_model("sb", cores_per_worker=threads, threads=threads)
+    # a helper thread of the model's own: promotion must move it too, not only the loop's
+    model = standby_model("sb", cores_per_worker=threads, threads=threads,
+                          kwargs={"helper_thread": True})
     with Daemon([model], daemon={"metrics": "127.0.0.1:0"}) as daemon:
         daemon.wait_ready()
         standby = warm_standby(daemon, "sb")

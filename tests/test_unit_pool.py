@@ -68,7 +68,7 @@ class FakeHost:
     def worker_spec(self, config, slot, generation, placement) -> WorkerSpec:
         return WorkerSpec(model=config, slot=slot, generation=generation, cores=placement.cores,
                           threads=placement.threads, device=placement.device,
-                          backend="ipc:///nonexistent/backend.sock", supervisor_pid=1,
+                          supervisor_pid=1,
                           base_dir="/nonexistent")
 
     def launch(self, spec: WorkerSpec, on_state) -> WorkerHandle:

@@ -1,13 +1,17 @@
 """Unit tests of supervisor/routing/router.py against FakeRouterHost: an implementation of the router's
 ``RouterHost`` protocol with a fake clock, real Timers, real ModelPools (on the pool tests'
-FakeHost, no processes) and real ZeroMQ sockets over ``inproc://``: a client DEALER talks to a
-frontend ROUTER, and one DEALER per fake worker sits on the backend ROUTER, so every message the
-router sends is read back and checked as bytes.
+FakeHost, no processes), real ZeroMQ sockets over ``inproc://`` (a client DEALER talks to a
+frontend ROUTER) and a real link per fake worker (shared/link.py, over a socket pair), so every
+message the router sends is read back and checked as bytes.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import select
+import socket
+import time
 
 import msgpack
 import pytest
@@ -15,6 +19,7 @@ import zmq
 
 from modelwarden.shared import protocol
 from modelwarden.shared.config import DaemonConfig, Settings
+from modelwarden.shared.link import Link
 from modelwarden.shared.protocol import SIGNATURE
 from modelwarden.shared.sockets import recv_parts
 from modelwarden.supervisor.routing.buffers import BufferRegistry
@@ -35,18 +40,25 @@ class FakeRouterHost(FakeHost):
         self.registry = BufferRegistry()
         self.quotas = Quotas(shares_from(self.settings, 64, 64), house="-")  # requests here have no identity
         name = f"inproc://router-test-{next(_ports)}"
-        self.backend = context.socket(zmq.ROUTER)
-        self.backend.bind(name + "-backend")
-        self.backend_name = name + "-backend"
         self.frontend = context.socket(zmq.ROUTER)
         self.frontend.bind(name + "-frontend")
         self.client = context.socket(zmq.DEALER)
         self.client.connect(name + "-frontend")
         self.context = context
         self.router: Router | None = None
+        self.worker_ends: dict = {}
 
     def shm_offered(self, frontend: int) -> bool:
         return False
+
+    def launch(self, spec, on_state):
+        """A fake worker, on a real link: the router's end is the handle's, the worker's end
+        is ``worker_ends[handle]``."""
+        handle = super().launch(spec, on_state)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        handle.link = Link(ours)
+        self.worker_ends[handle] = Link(theirs)
+        return handle
 
     def recover_requests(self, pool, handle) -> None:
         if self.router is None:
@@ -59,14 +71,10 @@ class FakeRouterHost(FakeHost):
         if self.router is not None:
             self.router.dispatch(pool)
 
-    def worker_spec(self, config, slot, generation, placement):
-        spec = super().worker_spec(config, slot, generation, placement)
-        spec.identity = f"{config.name}#{slot}.{generation}".encode()  # a DEALER needs one
-        return spec
-
 
 class Harness:
-    """The router, its host, one pool of ``workers`` READY fake workers, each with a DEALER."""
+    """The router, its host, one pool of ``workers`` READY fake workers, each on its own link
+    (the fake worker's end: ``workers[handle]``)."""
 
     def __init__(self, context: zmq.Context, workers: int = 1, **model) -> None:
         self.host = FakeRouterHost(context)
@@ -74,13 +82,10 @@ class Harness:
         self.pool = make_pool(self.host, workers=workers, **model)
         self.host.pools[self.pool.name] = self.pool
         self.pool.start_all()
-        self.workers = {}
         for handle in self.host.launched:
             ready(self.pool, handle)
-            dealer = context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.IDENTITY, handle.identity)
-            dealer.connect(self.host.backend_name)
-            self.workers[handle.identity] = dealer
+        self.workers = self.host.worker_ends
+        self._received: dict = collections.defaultdict(collections.deque)
         self._ids = itertools.count(1)
         self.sent: dict[int, list] = {}
 
@@ -107,13 +112,23 @@ class Harness:
         return client_id
 
     def worker_receives(self, handle, timeout_ms: int = 1000) -> tuple[dict, list[bytes]]:
-        dealer = self.workers[handle.identity]
-        assert dealer.poll(timeout_ms), f"{handle.worker_id} got nothing"
-        frames = dealer.recv_multipart()
+        assert self._wait(handle, timeout_ms), f"{handle.worker_id} got nothing"
+        frames = self._received[handle].popleft()
         return msgpack.unpackb(frames[0]), frames[1:]
 
     def worker_idle(self, handle) -> bool:
-        return not self.workers[handle.identity].poll(50)
+        return not self._wait(handle, 50)
+
+    def _wait(self, handle, timeout_ms: int) -> bool:
+        """Whether a message came to ``handle``'s fake worker within ``timeout_ms``."""
+        received, end = self._received[handle], self.workers[handle]
+        deadline = time.monotonic() + timeout_ms / 1000
+        while not received:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([end.fd], [], [], left)[0]:
+                return False
+            received.extend(end.receive())
+        return True
 
     def answer(self, handle, rid: int, client_id, ok: bool = True, batch: int = 1) -> None:
         """The worker's result, as the arbiter hands it to the router."""
@@ -123,7 +138,7 @@ class Harness:
                  {**protocol.error_header(client_id, "MODEL_ERROR", "boom"),
                   "worker": handle.worker_id})
         envelope = {"type": protocol.RESULT, "rid": rid, "ok": ok, "compute_us": 5, "batch": batch}
-        frames = [zmq.Frame(protocol.pack(reply))] + ([zmq.Frame(b"\0" * 4)] if ok else [])
+        frames = [protocol.pack(reply)] + ([b"\0" * 4] if ok else [])  # as a link delivers them
         self.router.on_result(self.pool, handle, envelope, frames)
         self.router.dispatch_wanted()
 
@@ -255,15 +270,15 @@ def test_a_dead_workers_batch_is_retried_one_per_forward_and_poison_ends_alone(c
     rig = Harness(context, workers=2, batching={"max_size": 8})
     first, second = rig.handles
     busy = [rig.send(), rig.send()]
-    runs = {h.identity: rig.worker_receives(h)[0] for h in (first, second)}
+    runs = {h: rig.worker_receives(h)[0] for h in (first, second)}
     members = [rig.send() for _ in range(3)]
-    rig.answer(first, runs[first.identity]["rid"], busy[0])
+    rig.answer(first, runs[first]["rid"], busy[0])
     rig.client_receives()
     batch, _ = rig.worker_receives(first)
     assert batch["type"] == protocol.BATCH and len(batch["rids"]) == 3
     exit_with(rig.pool, first, -9)  # the worker dies holding the batch
     rig.router.dispatch_wanted()
-    rig.answer(second, runs[second.identity]["rid"], busy[1])
+    rig.answer(second, runs[second]["rid"], busy[1])
     rig.client_receives()
     retried, _ = rig.worker_receives(second)  # one request per forward from now on
     assert retried["type"] == protocol.RUN
@@ -288,8 +303,8 @@ def test_a_worker_error_reply_is_relayed_unchanged(context):
 
 def test_an_identity_past_its_share_of_requests_is_overloaded_and_others_are_served(context):
     rig = Harness(context, max_queue=8)
-    rig.host.quotas = Quotas(Shares(connections=4, buffers=4, buffer_bytes=1 << 20, requests=2,
-                                    request_bytes=1 << 20))
+    rig.host.quotas.shares = Shares(connections=4, buffers=4, buffer_bytes=1 << 20, requests=2,
+                                    request_bytes=1 << 20)
     worker = rig.handles[0]
     first = rig.send(identity="uid:1001")
     rig.send(identity="uid:1001")  # queued: the worker holds the first
@@ -315,7 +330,7 @@ def _results_frames(rig, handle, batch: dict, client_ids: list, ok: bool = True)
     for client_id in client_ids:
         reply = {"id": client_id, "ok": True, "outputs": 0, "worker": handle.worker_id,
                  "tensors": [{"dtype": "float32", "shape": [1], "frame": 0}]}
-        frames += [zmq.Frame(protocol.pack(reply)), zmq.Frame(b"\0" * 4)]
+        frames += [protocol.pack(reply), b"\0" * 4]
         sizes.append(2)
     envelope = {"type": protocol.RESULTS, "rids": batch["rids"], "oks": [ok] * len(client_ids),
                 "codes": [None] * len(client_ids), "frames": sizes, "compute_us": 9,
@@ -354,9 +369,9 @@ def test_a_results_message_that_does_not_add_up_replaces_the_worker(context, spo
     rig = Harness(context, workers=2, batching={"max_size": 8})
     worker = rig.handles[0]
     busy = [rig.send(), rig.send()]  # one on each worker
-    runs = {handle.identity: rig.worker_receives(handle)[0] for handle in rig.handles}
+    runs = {handle: rig.worker_receives(handle)[0] for handle in rig.handles}
     queued = [rig.send() for _ in range(3)]
-    rig.answer(worker, runs[worker.identity]["rid"], busy[0])
+    rig.answer(worker, runs[worker]["rid"], busy[0])
     rig.client_receives()
     batch, _ = rig.worker_receives(worker)
     envelope, frames = spoil(*_results_frames(rig, worker, batch, queued))

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import zmq
 
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.logs import setup_logging
@@ -50,8 +49,9 @@ BASELINE_RUNS = 5
 MAX_REFERENCE_BYTES = 1024 * 1024
 
 
-def run(spec: WorkerSpec, buffer_pair=None) -> None:
-    """``buffer_pair``: our end of the socket pair the supervisor passes buffer descriptors on."""
+def run(spec: WorkerSpec, buffer_pair=None, link_socket=None) -> None:
+    """``buffer_pair``: our end of the socket pair the supervisor passes buffer descriptors on;
+    ``link_socket``: our end of the worker link (shared/link.py), every other message."""
     # Spawn gave us the supervisor's sys.path, whose first entry may be its working directory:
     # from here on, only what the supervisor chose (shared/syspath.py) is searched.
     sys.path[:] = spec.python_path
@@ -70,7 +70,7 @@ def run(spec: WorkerSpec, buffer_pair=None) -> None:
         from modelwarden.worker.standby import boot_in_the_background
 
         boot_in_the_background()  # before any thread exists: every thread inherits it
-    link = _connect(spec)
+    link = _connect(spec, link_socket)
     if boot_error is not None:
         _fail(link, "boot", boot_error, EXIT_BOOT_ERROR)
     sys.exit(_boot_and_serve(spec, link, buffer_pair))
@@ -85,15 +85,11 @@ def _set_title(spec: WorkerSpec) -> None:
         pass
 
 
-def _connect(spec: WorkerSpec):
-    from modelwarden.worker.serve import BackendLink  # imports torch: only after pinning
+def _connect(spec: WorkerSpec, link_socket):
+    from modelwarden.shared.link import Link
+    from modelwarden.worker.serve import SupervisorLink  # imports torch: only after pinning
 
-    context = zmq.Context(1)
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.ROUTING_ID, spec.identity)
-    socket.setsockopt(zmq.LINGER, 2000)
-    socket.connect(spec.backend)
-    link = BackendLink(socket)
+    link = SupervisorLink(Link(link_socket, writable=True))
     link.hello(spec.secret)
     spec.secret = b""  # sent; the model's code has no business with it
     return link
@@ -101,8 +97,8 @@ def _connect(spec: WorkerSpec):
 
 def _fail(link, stage: str, message: str, code: int) -> None:
     logger.error("%s failed: %s", stage, message)
-    link.failed(stage, message)
-    link.socket.close(linger=2000)  # let the failure reach the supervisor before we exit
+    link.failed(stage, message)  # written whole (a blocking send): it reaches the supervisor
+    link.close()
     sys.exit(code)
 
 

@@ -2,12 +2,23 @@
 # extension type, so the calls between its steps (a dozen per request) are C calls and its
 # fields C slots, not attribute lookups.
 
+from modelwarden.shared.link cimport Link
 from modelwarden.worker.pipeline cimport Pipeline
+
+
+cdef class SupervisorLink:
+    cdef public Link link
+    cdef public int fd
+
+    cpdef send(self, dict header, list frames=*)
+    cpdef send_parts(self, list parts)
+    cpdef list receive(self)
 
 
 cdef class WorkerServer:
     cdef public Pipeline pipeline
-    cdef public object spec, device, link, parent_sentinel, probe_value, segments
+    cdef public SupervisorLink link
+    cdef public object spec, device, parent_sentinel, probe_value, segments
     cdef public object stream, parses, pack, worker_id, version, shm_threshold
     cdef public Py_ssize_t served
     cdef public bint reject_nonfinite, on_cpu

@@ -9,11 +9,11 @@ case where it is stuck in ``forward``).
 Buffer descriptors come on a second channel, the worker's private SEQPACKET socket pair (see
 ``worker/segments.py``); it is in the poller too, so it is drained while idle.
 
-The messages on the backend socket (a DEALER; the supervisor's ROUTER adds our identity) are
-specified in docs/PROTOCOL.md, Appendix A, and named by the constants of shared/protocol.py. The
-backend is internal, so its messages carry no signature frame: one frame fewer per message on
-the hot path. A result carries the client's reply header, written here; the supervisor relays it
-as it is, appending only "timing" to the packed map.
+The messages on the worker's link (shared/link.py: our end of a socket pair the supervisor made
+at spawn) are specified in docs/PROTOCOL.md, Appendix A, and named by the constants of
+shared/protocol.py. The link is private, so its messages carry no signature frame. A result
+carries the client's reply header, written here; the supervisor relays it as it is, appending
+only "timing" to the packed map.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 from typing import Any, NamedTuple
 
 import torch
-import zmq
 
 from modelwarden.shared import protocol
 from modelwarden.handler import BadInput
@@ -32,7 +31,8 @@ from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite,
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
 from modelwarden.shared.shm import ALIGN, Segment
-from modelwarden.shared.sockets import Poller, recv_frames, send_parts
+from modelwarden.shared.link import Link
+from modelwarden.shared.sockets import Poller
 from modelwarden.shared.states import EXIT_OK, EXIT_ORPHANED
 from modelwarden.worker.hostpin import HostPinner
 from modelwarden.worker.pipeline import Member, Outputs, Pipeline
@@ -42,17 +42,34 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_CHARS = 2000
 
 
-class BackendLink:
-    """The worker's link to the supervisor: its end of the backend socket (a DEALER)."""
+class SupervisorLink:
+    """The worker's end of its link to the supervisor (shared/link.py). It writes blocking: a
+    worker has nothing else to do until the supervisor takes what it says."""
 
-    def __init__(self, socket: zmq.Socket) -> None:
-        self.socket = socket
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.fd = link.fd
 
     def send(self, header: dict, frames: list | None = None) -> None:
         parts = [protocol.pack(header)]
         if frames:
             parts.extend(frames)
-        send_parts(self.socket, parts)
+        self.link.send(parts, True)
+
+    def send_parts(self, parts: list) -> None:
+        self.link.send(parts, True)
+
+    def receive(self) -> list:
+        """The messages the supervisor wrote, complete by now ([] if none)."""
+        return self.link.receive()
+
+    @property
+    def gone(self) -> bool:
+        """The supervisor closed its end (or the link broke): nothing more will come."""
+        return self.link.eof or self.link.broken
+
+    def close(self) -> None:
+        self.link.close()
 
     def hello(self, secret: bytes) -> None:
         self.send({"type": protocol.HELLO, "secret": secret})
@@ -66,7 +83,7 @@ class BackendLink:
 
 class WorkerServer:
     def __init__(self, spec: WorkerSpec, pipeline: Pipeline, device: torch.device,
-                 link: BackendLink, parent_sentinel: int | None, probe_value: Any,
+                 link: SupervisorLink, parent_sentinel: int | None, probe_value: Any,
                  buffer_pair=None) -> None:
         self.spec = spec
         self.pipeline = pipeline
@@ -97,8 +114,9 @@ class WorkerServer:
             return self._loop()
 
     def _loop(self) -> int:
+        link = self.link
         poller = Poller()
-        poller.register(self.link.socket)
+        poller.register(link.fd)
         if self.parent_sentinel is not None:
             poller.register(self.parent_sentinel)
         pair = self.segments.pair.fileno() if self.segments.pair is not None else None
@@ -117,10 +135,17 @@ class WorkerServer:
                 if self.segments.pair is None:  # closed: it would poll readable forever
                     poller.unregister(pair)
                     pair = None
-            if self.link.socket in ready:
-                code = self._handle(recv_frames(self.link.socket))
-                if code is not None:
-                    return code
+            if link.fd in ready:
+                for frames in link.receive():  # in order, each one whole
+                    code = self._handle(frames)
+                    if code is not None:
+                        return code
+                    if time.monotonic() >= next_beat:  # a beat between two long forwards too
+                        self._heartbeat()
+                        next_beat = time.monotonic() + interval
+                if link.gone:
+                    logger.error("the supervisor closed our link; leaving")
+                    return EXIT_ORPHANED
             if time.monotonic() >= next_beat:
                 self._heartbeat()
                 next_beat = time.monotonic() + interval
@@ -128,7 +153,7 @@ class WorkerServer:
 
     def _handle(self, frames: list) -> int | None:
         try:
-            header = protocol.unpack_header(frames[0].buffer, strict=False)
+            header = protocol.unpack_header(frames[0], strict=False)
         except ProtocolError as exc:
             logger.error("dropping a malformed message from the supervisor: %s", exc.message)
             return None
@@ -191,7 +216,7 @@ class WorkerServer:
         parts = [self.pack(envelope)]
         for member in members:
             parts.extend(member[3])
-        send_parts(self.link.socket, parts)
+        self.link.send_parts(parts)
         self.served += len(members)
 
     def _prepare(self, rid: Any, frames: list) -> "Call | None":
@@ -199,7 +224,7 @@ class WorkerServer:
         client_id = None
         try:
             payload = frames[1:]
-            raw = frames[0].bytes
+            raw = bytes(frames[0])
             request = self.parses.parse(raw, len(payload))  # a header seen before but for its id
             if request is None:
                 header = protocol.unpack_header(raw, strict=False)
@@ -304,7 +329,7 @@ class WorkerServer:
         """A str/bytes input, decoded and checked (shared.codec.decode_elements): its payload
         frame, or its shared-memory region, copied out element by element."""
         if desc.shm is None:
-            return decode_elements(payload[desc.frame].buffer, desc)
+            return decode_elements(payload[desc.frame], desc)
         _, view = self.segments.region(*desc.shm)
         return decode_elements(view, desc)
 
@@ -322,7 +347,7 @@ class WorkerServer:
         else:
             parts = [protocol.result_header(call.rid, compute_us, 1)]
         parts.extend(reply)
-        send_parts(self.link.socket, parts)
+        self.link.send_parts(parts)
         self.served += 1
 
     def _reply_parts(self, call: "Call", tree: Any, leaves: list) -> list:
@@ -335,7 +360,7 @@ class WorkerServer:
     def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
         rid, _, code, parts = self._failure_parts(rid, client_id, exc)
         envelope = {"type": protocol.RESULT, "rid": rid, "ok": False, "code": code}
-        send_parts(self.link.socket, [self.pack(envelope), *parts])
+        self.link.send_parts([self.pack(envelope), *parts])
         self.served += 1
 
     def _failure_parts(self, rid: Any, client_id: Any, exc: BaseException) -> tuple:

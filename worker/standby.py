@@ -30,13 +30,12 @@ import os
 import threading
 import time
 
-import zmq
 
 from modelwarden.shared import protocol
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.logs import setup_logging
 from modelwarden.shared.protocol import ProtocolError
-from modelwarden.shared.sockets import recv_parts
+from modelwarden.shared.sockets import Poller
 from modelwarden.shared.states import EXIT_BOOT_ERROR, EXIT_OK, EXIT_ORPHANED
 from modelwarden.worker.pinning import PlacementError
 
@@ -76,20 +75,24 @@ def _may_raise_priority_to(nice: int) -> bool:
 def wait_for_promotion(spec: WorkerSpec, link, parent_sentinel: int | None) -> int | None:
     """Wait slotless until promoted (returns None, ``spec`` now the slot's) or told to leave
     (returns the exit code)."""
-    poller = zmq.Poller()
-    poller.register(link.socket, zmq.POLLIN)
+    poller = Poller()
+    poller.register(link.fd)
     if parent_sentinel is not None:
-        poller.register(parent_sentinel, zmq.POLLIN)
+        poller.register(parent_sentinel)
     next_beat = time.monotonic()
     while True:
-        events = dict(poller.poll(max(0.0, next_beat - time.monotonic()) * 1000))
-        if parent_sentinel is not None and parent_sentinel in events:
+        ready = poller.poll(max(0.0, next_beat - time.monotonic()) * 1000)
+        if parent_sentinel is not None and parent_sentinel in ready:
             logger.error("supervisor is gone; leaving")
             return EXIT_ORPHANED
-        if link.socket in events:
-            code = _on_message(spec, link, recv_parts(link.socket))
-            if code != "wait":
-                return code
+        if link.fd in ready:
+            for frames in link.receive():
+                code = _on_message(spec, link, frames)
+                if code != "wait":
+                    return code
+            if link.gone:
+                logger.error("the supervisor closed our link; leaving")
+                return EXIT_ORPHANED
         if time.monotonic() >= next_beat:
             link.send({"type": protocol.HEARTBEAT})
             next_beat = time.monotonic() + spec.heartbeat_interval
@@ -97,7 +100,7 @@ def wait_for_promotion(spec: WorkerSpec, link, parent_sentinel: int | None) -> i
 
 def _on_message(spec: WorkerSpec, link, frames: list) -> int | None | str:
     try:
-        header = protocol.unpack_header(frames[0].buffer, strict=False)
+        header = protocol.unpack_header(frames[0], strict=False)
     except ProtocolError as exc:
         logger.error("dropping a malformed message from the supervisor: %s", exc.message)
         return "wait"

@@ -4,6 +4,6 @@
 worker), ``handle`` (one running worker as the supervisor sees it), ``standby`` (warm standbys),
 ``placement`` (which cores and device each slot gets), ``devices`` (do the configured CUDA devices
 exist), ``versions`` (which build a worker runs), ``reload`` (what a new configuration changes),
-``workerauth`` (only our workers speak on the backend), ``probes`` (a probe from due time to
+``workerauth`` (only the incarnation we spawned speaks on its link), ``probes`` (a probe from due time to
 verdict), ``health`` (the daemon's health as the service manager sees it).
 """

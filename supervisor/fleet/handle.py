@@ -51,7 +51,7 @@ class WorkerHandle:
     def __init__(self, spec: "WorkerSpec", process: Any, pid: int, sentinel: int,
                  started_at: float, on_state: Callable | None = None,
                  state: WorkerState = WorkerState.STARTING, last_seen: float = 0.0,
-                 buffer_socket: Any = None) -> None:
+                 buffer_socket: Any = None, link: Any = None) -> None:
         self.spec = spec
         self.process = process  # multiprocessing.Process (spawn context)
         self.pid = pid
@@ -79,6 +79,7 @@ class WorkerHandle:
         self.last_dispatch = 0.0
         self.kill_timer = None
         self.exitcode = None
+        self.link = link  # our end of its worker link (shared/link.py): every message it and we send
         self.buffer_socket = buffer_socket  # our end of the SEQPACKET pair that carries buffer descriptors
         self.buffers = set()  # tokens whose descriptors this worker holds
         self.authenticated = False  # presented its spawn secret (supervisor.workerauth)
@@ -90,10 +91,6 @@ class WorkerHandle:
     @property
     def worker_id(self) -> str:
         return self.spec.worker_id
-
-    @property
-    def identity(self) -> bytes:
-        return self.spec.identity
 
     @property
     def alive(self) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass, field
 from typing import Any
 
 from modelwarden.shared.states import SLOT_FOLLOWS, SlotState, WorkerState, check_transition
@@ -25,31 +24,38 @@ from modelwarden.supervisor.fleet.placement import SlotPlacement
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False, slots=True)
 class Slot:
-    index: int
-    placement: SlotPlacement
-    model: str = ""
-    state: SlotState = SlotState.STOPPED
-    current: WorkerHandle | None = None
-    previous: WorkerHandle | None = None
-    generation: int = 0
-    restarts: int = 0
-    start_failures: int = 0
-    last_exit: str | None = None
-    failure: str | None = None
-    causes: collections.deque = field(default_factory=lambda: collections.deque(maxlen=10))
-    backoff_timer: Any = None
-    backoff_until: float | None = None
-    retry_timer: Any = None  # a FATAL slot's next try on its own (``fatal_retry``)
-    retry_at: float | None = None
-    held: str | None = None  # stopped on purpose (stop command, scale down, removal): no restart
-    stale_through: int = 0  # incarnations up to this generation run a superseded configuration
-    probe_replacements: int = 0  # replacements for failed probes, since probes last passed
-    probe_passes: int = 0  # probes passed in a row by the current worker
-    fatal_on_exit: str | None = None  # given up on: FATAL once its worker has left
-    promotions: int = 0  # standbys promoted into this slot
-    promoted_at: float | None = None  # wall-clock time of the last promotion
+    """Compiled, an extension type whose fields are C slots (slot.pxd): the worker choice reads
+    a slot's ``current`` and ``previous`` on every request (supervisor/routing/workers.py)."""
+
+    def __init__(self, index: int, placement: SlotPlacement, model: str = "",
+                 state: SlotState = SlotState.STOPPED) -> None:
+        self.index = index
+        self.placement = placement
+        self.model = model
+        self.state = state
+        self.current: WorkerHandle | None = None
+        self.previous: WorkerHandle | None = None  # serving while ``current`` boots
+        self.generation = 0
+        self.restarts = 0
+        self.start_failures = 0
+        self.last_exit: str | None = None
+        self.failure: str | None = None
+        self.causes: collections.deque = collections.deque(maxlen=10)
+        self.backoff_timer: Any = None
+        self.backoff_until: float | None = None
+        self.retry_timer: Any = None  # a FATAL slot's next try on its own (``fatal_retry``)
+        self.retry_at: float | None = None
+        self.held: str | None = None  # stopped on purpose (stop command, scale down, removal): no restart
+        self.stale_through = 0  # incarnations up to this generation run a superseded configuration
+        self.probe_replacements = 0  # replacements for failed probes, since probes last passed
+        self.probe_passes = 0  # probes passed in a row by the current worker
+        self.fatal_on_exit: str | None = None  # given up on: FATAL once its worker has left
+        self.promotions = 0  # standbys promoted into this slot
+        self.promoted_at: float | None = None  # wall-clock time of the last promotion
+
+    def __repr__(self) -> str:
+        return f"Slot({self.model}#{self.index}, {self.state.value})"
 
     @property
     def name(self) -> str:

@@ -1,7 +1,7 @@
 """Warm standby workers of one model (``standby = N``): kept ready, handed out on demand.
 
 Contract. ``Standbys`` keeps ``config.standby`` extra worker processes alive for a pool. Each is
-spawned like any worker (the same spawn secret and backend authentication,
+spawned like any worker (its own link and the same spawn secret,
 supervisor/fleet/workerauth.py) but with ``spec.standby`` set: it boots, loads, warms up, then reports
 STANDBY and serves nothing (worker/standby.py). It belongs to no slot: the slots' restart policy
 never sees it, and its death only makes ``Standbys`` start another (after a delay that doubles

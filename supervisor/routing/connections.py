@@ -8,8 +8,8 @@ thread, not by our loop. What libzmq 4.3.5 does when ``accept()`` fails depends 
 * ``src/ipc_listener.cpp`` line 297 tolerates only ``EAGAIN EWOULDBLOCK EINTR ECONNABORTED EPROTO
   ENFILE``: at ``EMFILE`` its ``errno_assert`` aborts the whole supervisor, and the workers with
   it (``Too many open files (src/ipc_listener.cpp:297)``). The frontends, the control socket and
-  the backend the workers connect to are all ipc listeners; libzmq also asserts when it cannot
-  make the eventfd of a new socket.
+  the admin socket are all ipc listeners; libzmq also asserts when it cannot make the eventfd of
+  a new socket.
 
 So the descriptor table must never fill. The contract:
 
@@ -33,7 +33,7 @@ So the descriptor table must never fill. The contract:
    are refused (``can_take``) with a typed OVERLOADED. Below the low-water mark (90 % of the
    high-water mark, and as many descriptors above the reserve free) they resume. Both are
    logged. The admin socket (private: the operator's way in, ``status`` included) and the
-   backend (the workers') are never paused; the reserve keeps their descriptors.
+   workers' links and buffer pairs are never paused; the reserve keeps their descriptors.
 5. Each identity (supervisor/routing/identity.py) may hold a share of the connections
    (``max_connections_per_identity``, supervisor/routing/quotas.py). A connection over its identity's
    share is shut down (``shutdown(2)`` on libzmq's descriptor, which libzmq then closes) as soon
@@ -56,7 +56,7 @@ being served. Instead:
 Bursts: the I/O thread accepts whatever arrives until the loop has paused a ZeroMQ listener,
 and connections already queued in the kernel (at most ``BACKLOG`` per listener) are accepted
 after the pause. ``reserve`` covers both: ``RESERVE_BASE`` for the daemon's own descriptors
-(worker sentinels and backend connections, a respawn's pipes, the admin socket's connections)
+(worker sentinels, links and buffer pairs, a respawn's pipes, the admin socket's connections)
 plus ``BACKLOG + BURST`` per paused ZeroMQ listener, plus one ``buffers.sock`` message's worth of
 descriptors (``MAX_FDS_PER_MESSAGE``: the kernel installs them before the loop can refuse them).
 
@@ -90,7 +90,7 @@ logger = logging.getLogger(__name__)
 BACKLOG = 64  # ZMQ_BACKLOG on client-facing listeners: what the kernel queues unaccepted
 BURST = 64  # connections the I/O thread may accept in one loop pass before the pause lands
 RESERVE_BASE = 128  # the daemon's own descriptors beyond its client connections
-FDS_PER_WORKER = 4  # its sentinel, its backend connection, a respawn's pipes
+FDS_PER_WORKER = 5  # its sentinel, its link, its buffer pair, a respawn's two pipes
 MIN_HIGH_WATER = 16
 CHEAP_TO_LIST = 4096  # descriptors below which /proc/self/fd is listed at every tick
 MEASURE_EVERY_S = 1.0  # above that, at least this often

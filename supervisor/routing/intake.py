@@ -1,11 +1,13 @@
 """Messages in, on the request path: each poll round drains the clients' messages from a frontend
-and the workers' messages from the backend, here, compiled (intake.pxd), and hands requests and
-results to the router. What is not per request goes back to the Arbiter: a client's ``hello``,
-and every worker message but an authenticated worker's result or results (its hello, state,
-heartbeat, failure, and anything the backend gate refuses: ``Arbiter.worker_message``).
+and each worker's messages from its link (shared/link.py), here, compiled (intake.pxd), and
+hands requests and results to the router. What is not per request goes back to the Arbiter: a
+client's ``hello``, every worker message but an authenticated worker's result or results (its
+hello, state, heartbeat, failure, and anything the gate refuses: ``Arbiter.worker_message``),
+and a link its worker closed or garbled (``Arbiter.link_closed``).
 
-Each drain takes at most DRAIN_MAX messages from its socket (the poller is level-triggered, so
-the next round sees whatever is left), which keeps every socket served in turn. Client messages
+Each drain of a frontend takes at most DRAIN_MAX messages (the poller is level-triggered, so
+the next round sees whatever is left), which keeps every socket served in turn; a link's drain
+takes what its socket holds (one read, more while the buffer fills). Client messages
 arrive through shared/sockets.py, small frames as bytes, with the property that names their
 sender; a message is checked (frames and bytes), split, and its header parsed strictly before
 anything else is read of it. A bug while handling one message is logged and answered INTERNAL;
@@ -23,30 +25,26 @@ from modelwarden.shared.protocol import (BAD_REQUEST, CLIENT_HELLO, INFER, INTER
                                          RESULTS, SIGNATURE, ProtocolError, pack, read_result,
                                          reply_route, request_id_of, split_router_message,
                                          unpack_header)
-from modelwarden.shared.sockets import recv_message, recv_routed, send_parts
+from modelwarden.shared.sockets import recv_routed, send_parts
 from modelwarden.shared.states import ALIVE
 from modelwarden.supervisor.routing.identity import of_property, property_of
 from modelwarden.supervisor.routing.limits import check_message
 
 logger = logging.getLogger(__name__)
 
-DRAIN_MAX = 64  # messages read from one socket per poll round
-_NOBLOCK = int(zmq.NOBLOCK)
+DRAIN_MAX = 64  # messages read from one frontend per poll round
 
 
 class IntakeHost(Protocol):
     """What the intake needs from the Arbiter: its router, sockets and settings; ``clock()``;
-    the worker of a backend routing id (``workers``, a dict the Arbiter keeps up to date) and,
-    for one its pool did not mark as its own (``WorkerHandle.pool``), its pool (``pool_of``);
-    and the two things it hands back: a client's ``hello`` and a worker message off the
-    request path."""
+    for a worker its pool did not mark as its own (``WorkerHandle.pool``), its pool
+    (``pool_of``); and the three things it hands back: a client's ``hello``, a worker message
+    off the request path, and a link that is done."""
 
     router: object
     settings: object
     frontends: list
     frontend_transports: list
-    backend: zmq.Socket
-    workers: dict
 
     def clock(self) -> float: ...
 
@@ -54,14 +52,15 @@ class IntakeHost(Protocol):
 
     def hello(self, index: int) -> dict: ...
 
-    def worker_message(self, frames: list) -> None: ...
+    def worker_message(self, handle, frames: list) -> None: ...
+
+    def link_closed(self, handle) -> None: ...
 
 
 class Intake:
     def __init__(self, host):
         self.host = host
         self.router = host.router
-        self.workers = host.workers  # the Arbiter's own dict, kept up to date by it
         self.clock = host.clock
         # The last sender, kept across rounds: one peer's messages often come in a row, so its
         # identity is parsed once, and its connection, the key of its byte ledgers, stays one
@@ -69,16 +68,20 @@ class Intake:
         self.raw = None  # its identity as the frontend's property gave it
         self.peer = None  # that identity parsed (identity.of_property)
         self.connection = (-1, None)  # (frontend index, routing id)
+        # Frontend index -> (socket, transport, the property naming its peers, the bytes a
+        # message may hold), read from the host at its first drain: none of them changes while
+        # the daemon runs (daemon settings do not apply live), and the host's and pydantic's
+        # attribute lookups cost more than the rest of a drain's set-up.
+        self.fronts = {}
 
     # -- clients ------------------------------------------------------------------------------
 
     def drain_clients(self, index):
         """Up to DRAIN_MAX messages from frontend ``index``."""
-        host = self.host
-        sock = host.frontends[index]
-        transport = host.frontend_transports[index]
-        prop = property_of(transport).encode()
-        max_bytes = host.settings.daemon.max_message_bytes
+        front = self.fronts.get(index)
+        if front is None:
+            front = self.fronts[index] = self._front(index)
+        sock, transport, prop, max_bytes = front
         for _ in range(DRAIN_MAX):
             received = recv_routed(sock, prop)
             if received is None:
@@ -95,6 +98,12 @@ class Intake:
                 logger.exception("error handling a client message")
                 self.router.send_error(sock, reply_route(frames), None, INTERNAL,
                                        "internal error; see the daemon's log")
+
+    def _front(self, index):
+        host = self.host
+        transport = host.frontend_transports[index]
+        return (host.frontends[index], transport, property_of(transport).encode(),
+                host.settings.daemon.max_message_bytes)
 
     def client_message(self, index, sock, frames, connection, peer, max_bytes):
         """``frames`` as shared/sockets.py receives them (small ones bytes); ``connection``
@@ -141,40 +150,40 @@ class Intake:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def drain_workers(self):
-        """Up to DRAIN_MAX messages from the backend."""
-        backend = self.host.backend
-        for _ in range(DRAIN_MAX):
-            frames = recv_message(backend, _NOBLOCK)
-            if frames is None:
-                return
+    def drain_link(self, handle):
+        """What worker ``handle`` wrote on its link (shared/link.py) since the last round, and
+        what waited to be written to it. A link the worker closed, or garbled, goes back to the
+        Arbiter (``link_closed``) once the messages before that are handled."""
+        link = handle.link
+        if link.out:
+            link.flush()
+        for frames in link.receive():
             try:
-                self.worker_message(frames)
+                self.worker_message(handle, frames)
             except Exception:
-                logger.exception("unexpected error in a worker message")
+                logger.exception("unexpected error in a message of %s", handle.worker_id)
+        if link.eof or link.broken:
+            self.host.link_closed(handle)
 
-    def worker_message(self, frames):
+    def worker_message(self, handle, frames):
         """An authenticated worker's result goes to the router; anything else to the Arbiter."""
-        host = self.host
-        if len(frames) >= 3:
-            handle = self.workers.get(frames[0])
-            if handle is not None and handle.authenticated:
-                header = read_result(frames[1])  # a success as the worker writes it
-                if header is None:
-                    try:
-                        header = unpack_header(frames[1], False)
-                    except ProtocolError:
-                        header = None  # the Arbiter refuses it, saying why
-                kind = header.get("type") if header is not None else None
-                if kind == RESULT or kind == RESULTS:
-                    if handle.state in ALIVE:  # else declared dead: what it says is too late
-                        handle.last_seen = self.clock()
-                        pool = handle.pool
-                        if pool is None:
-                            pool = host.pool_of(handle)
-                        if kind == RESULT:
-                            self.router.on_result(pool, handle, header, frames[2:])
-                        else:
-                            self.router.on_results(pool, handle, header, frames[2:])
-                    return
-        host.worker_message(frames)
+        if handle.authenticated and frames:
+            header = read_result(frames[0])  # a success as the worker writes it
+            if header is None:
+                try:
+                    header = unpack_header(frames[0], False)
+                except ProtocolError:
+                    header = None  # the Arbiter refuses it, saying why
+            kind = header.get("type") if header is not None else None
+            if kind == RESULT or kind == RESULTS:
+                if handle.state in ALIVE:  # else declared dead: what it says is too late
+                    handle.last_seen = self.clock()
+                    pool = handle.pool
+                    if pool is None:
+                        pool = self.host.pool_of(handle)
+                    if kind == RESULT:
+                        self.router.on_result(pool, handle, header, frames[1:])
+                    else:
+                        self.router.on_results(pool, handle, header, frames[1:])
+                return
+        self.host.worker_message(handle, frames)

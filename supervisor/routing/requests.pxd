@@ -1,6 +1,13 @@
 # C types for supervisor/routing/requests.py when Cython compiles it (pure-Python mode: the .py
 # is the one implementation; this file only gives its names C types).
 
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+cdef bint COMPILED
+
+cpdef long long now_ns() except? -1
+
+
 cdef class Request:
     cdef public object rid, socket, route, client_id, model, header_frame, payload
     cdef public object connection, buffers, identity, worker, batch_key

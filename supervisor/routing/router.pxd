@@ -4,24 +4,27 @@
 
 cimport cython
 
-from modelwarden.shared.mpack cimport pack_uint
+from modelwarden.shared.mpack cimport pack_after
 from modelwarden.shared.protocol cimport (Envelope, InferCache, InferRequest, add_timing,
                                           frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets cimport send_parts
 from modelwarden.supervisor.fleet.handle cimport WorkerHandle
 from modelwarden.supervisor.routing.deadlines cimport Deadlines
-from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes
+from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.routing.quotas cimport Quotas
-from modelwarden.supervisor.routing.requests cimport Request
+from modelwarden.supervisor.routing.requests cimport Request, now_ns
 from modelwarden.supervisor.routing.service cimport ModelService
 from modelwarden.supervisor.routing.workers cimport (has_room, least_loaded, needs_the_pool,
                                                      probe_due, serves_nothing)
 
 cdef object _READY
+cdef bytes _RUN_PREFIX
 
 
 cdef class Router:
     cdef public object host
+    cdef Quotas _quotas
+    cdef object _clock
     cdef public dict pending, services
     cdef public InferCache parses
     cdef dict _by_pool

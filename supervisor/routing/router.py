@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import errno
 import logging
-from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import zmq
 
 from modelwarden.shared import fdchannel, protocol
-from modelwarden.shared.mpack import pack_uint
+from modelwarden.shared.mpack import pack_after
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER,
                                          OUT_OF_MEMORY, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
                                          TIMEOUT, UNKNOWN_MODEL, InferCache, ProtocolError, add_timing,
@@ -35,7 +34,7 @@ from modelwarden.supervisor.routing.limits import ReplyLedger, RequestBytes, pay
 from modelwarden.supervisor.fleet import probes
 from modelwarden.supervisor.routing.service import ModelService
 from modelwarden.supervisor.routing.requests import (ProbeRequest, Refused, Request, after_worker_death,
-                                             check_declared)
+                                             check_declared, now_ns)
 
 if TYPE_CHECKING:
     from modelwarden.shared.config import Settings
@@ -64,8 +63,9 @@ class RouterHost(Protocol):
     * ``clock()`` (monotonic seconds) and ``timers``: deadlines and batch holds;
     * ``stopping``: new requests get SHUTTING_DOWN;
     * ``registry`` and ``shm_offered(frontend)``: shared-memory regions are checked there;
-    * ``quotas``: each request counts against its identity's share (supervisor/routing/quotas.py);
-    * ``backend``: the ROUTER socket the workers are reached on (by routing id).
+    * ``quotas``: each request counts against its identity's share (supervisor/routing/quotas.py).
+
+    A worker is reached on its own link (``WorkerHandle.link``, shared/link.py).
     """
 
     settings: "Settings"
@@ -74,7 +74,6 @@ class RouterHost(Protocol):
     stopping: bool
     registry: "BufferRegistry"
     quotas: "Quotas"
-    backend: zmq.Socket
 
     def clock(self) -> float: ...
 
@@ -88,6 +87,10 @@ class Router:
 
     def __init__(self, host: RouterHost) -> None:
         self.host = host
+        # Read per request, and never replaced for the host's life: held here, where a read is
+        # a C field's, not an attribute lookup on the host.
+        self._quotas = host.quotas
+        self._clock = host.clock
         self.pending: dict[int, Request] = {}  # accepted, not yet answered (probes are not here)
         self.services: dict[str, ModelService] = {}  # model name -> its request state (service_of)
         self.parses = InferCache()  # infer headers seen before, but for their id
@@ -176,10 +179,10 @@ class Router:
         except ProtocolError as exc:
             self._refuse(socket, envelope, parsed.id, pool, exc)
             return
-        now = host.clock()
+        now = self._clock()
         timeout = parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else service.timeout
         request = Request(self._new_rid(), socket, envelope.route, parsed.id, service.name,
-                          envelope.header, payload, perf_counter_ns(), now + timeout,
+                          envelope.header, payload, now_ns(), now + timeout,
                           connection, nbytes, buffers, identity)
         request.timeout = timeout
         request.arrived = now
@@ -205,14 +208,14 @@ class Router:
         self.send_error(socket, envelope.route, request_id, exc.code, exc.message, exc.detail)
         if self.observers:
             refused = Refused(request_id, pool.name if pool is not None else "-",
-                              perf_counter_ns())
+                              now_ns())
             for observe in self.observers:
                 observe(refused, exc.code, None)
 
     def _take_budgets(self, connection: tuple, identity: str, nbytes: int) -> None:
         """The identity's share of requests and bytes, then the connection's and the daemon's
         bytes; all or nothing."""
-        quotas = self.host.quotas
+        quotas = self._quotas
         quotas.take_request(identity, nbytes)
         try:
             self.request_bytes.take(connection, nbytes)
@@ -270,7 +273,7 @@ class Router:
         queue = service.queue
         if not queue:
             return
-        now = self.host.clock()
+        now = self._clock()
         config = service.batching
         slots = pool.slots
         while queue:
@@ -311,7 +314,7 @@ class Router:
         service = self.service_of(pool)
         if not service.probes:
             return
-        now = self.host.clock()
+        now = self._clock()
         for handle in handles:
             self._probe_if_due(service, handle, now)
 
@@ -352,9 +355,9 @@ class Router:
         return True
 
     def _send(self, handle: WorkerHandle, request: Request, now: float) -> None:
-        parts = [handle.identity, _RUN_PREFIX + pack_uint(request.rid), request.header_frame]
+        parts = [pack_after(_RUN_PREFIX, request.rid), request.header_frame]
         parts.extend(request.payload)
-        send_parts(self.host.backend, parts)
+        handle.link.send(parts)
         _mark_sent(handle, request, 1, now)
 
     def _send_batch(self, handle: WorkerHandle, members: list, now: float) -> None:
@@ -362,18 +365,18 @@ class Router:
         still never touches payload bytes."""
         envelope = protocol.pack({"type": protocol.BATCH, "rids": [m.rid for m in members],
                                   "frames": [1 + len(m.payload) for m in members]})
-        parts = [handle.identity, envelope]
+        parts = [envelope]
         for member in members:
             parts.append(member.header_frame)
             parts.extend(member.payload)
-        send_parts(self.host.backend, parts)
+        handle.link.send(parts)
         for member in members:
             _mark_sent(handle, member, len(members), now)
 
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(self._new_rid(), handle)
-        send_parts(self.host.backend, [handle.identity, probes.run_probe(probe.rid)])
+        handle.link.send([probes.run_probe(probe.rid)])
         handle.inflight[probe.rid] = probe
         handle.probe.sent(probe.rid, now)
 
@@ -404,7 +407,7 @@ class Router:
             pool.after_result(handle)
         service = self.service_of(pool)
         if service.probes and handle.state is _READY:
-            self._probe_if_due(service, handle, self.host.clock())
+            self._probe_if_due(service, handle, self._clock())
         if service.wanted is None:
             self._wanted.append(service)
         service.wanted = pool
@@ -437,11 +440,11 @@ class Router:
         if request.done:  # it timed out while the worker was busy with it
             return
         if envelope.get("ok"):
-            total_us = (perf_counter_ns() - request.received_ns) // 1000
+            total_us = (now_ns() - request.received_ns) // 1000
             handle.latencies_us.append(total_us)
             queue_us = (request.dispatched_ns - request.received_ns) // 1000
             compute_us, batch = envelope.get("compute_us"), envelope.get("batch", 1)
-            header = add_timing(_buffer(frames[0]), queue_us, compute_us, total_us, batch)
+            header = add_timing(frames[0], queue_us, compute_us, total_us, batch)
             timing = None
             if self.observers:
                 timing = {"queue_us": queue_us, "compute_us": compute_us, "total_us": total_us,
@@ -455,7 +458,7 @@ class Router:
     @staticmethod
     def _judge_probe(pool: "ModelPool", handle: WorkerHandle, probe: ProbeRequest,
                      envelope: dict, frames: list) -> None:
-        verdict = probes.verdict_of(handle.probe, probe.rid, envelope, _buffer(frames[0]),
+        verdict = probes.verdict_of(handle.probe, probe.rid, envelope, frames[0],
                                     frames[1:], pool.judge, handle.spec.version)
         if verdict is not None:
             pool.record_probe(handle, verdict)
@@ -475,7 +478,7 @@ class Router:
         self.pending.pop(request.rid, None)
         if request.nbytes:
             self.request_bytes.give_back(request.connection, request.nbytes)
-        quotas = self.host.quotas
+        quotas = self._quotas
         quotas.give_back_request(request.identity, request.nbytes)
         # An answered request may wait in its deadline lane a while: it keeps no payload there.
         request.payload = _NO_FRAMES
@@ -588,7 +591,7 @@ def _batch_members(envelope: dict, count: int) -> list | None:
 def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
     request.worker = handle
     request.batch_size = batch_size
-    request.dispatched_ns = perf_counter_ns()
+    request.dispatched_ns = now_ns()
     handle.inflight[request.rid] = request
     handle.last_dispatch = now
 
@@ -596,13 +599,8 @@ def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: flo
 def _error_code(frame) -> str:
     """The code in a worker's error reply header (for metrics and the access log)."""
     try:
-        error = protocol.unpack_header(_buffer(frame), strict=False).get("error")
+        error = protocol.unpack_header(frame, strict=False).get("error")
     except ProtocolError:
         return protocol.INTERNAL
     code = error.get("code") if isinstance(error, dict) else None
     return code if isinstance(code, str) else protocol.INTERNAL
-
-
-def _buffer(frame):
-    """A zmq.Frame's bytes without a copy; bytes as they are."""
-    return frame.buffer if hasattr(frame, "buffer") else frame

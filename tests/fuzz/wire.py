@@ -9,6 +9,9 @@ mutations keep that structure), otherwise ``[SIGNATURE, input]``, a bare header 
 message goes through what the supervisor does to a client's frames (frame and byte limits,
 the envelope, the strict header parse, the infer header's schema, frame lengths, str/bytes
 elements) and what a client does to a daemon's reply (split, the reply's schema, its elements).
+The input's raw bytes are also what a worker wrote on its link (shared/link.py): read by the
+supervisor's end and by a worker's, they must give the same messages, the same end (the peer's
+close) and the same refusal compiled and uncompiled.
 The only acceptable outcome of bad bytes is ProtocolError (InternalError from the client's
 splitter): anything else raised, a hang (libFuzzer's -timeout) or a crash of the process is a
 finding. libFuzzer writes each to tests/fuzz/crashes/, which tests/test_fuzz.py replays for
@@ -48,7 +51,9 @@ CRASHES = HERE / "crashes"
 WORK = HERE / "work"  # the growing corpus of `make fuzz` (git-ignored)
 MAX_BYTES = 1 << 20  # max_message_bytes for the fuzz run: big enough, never a real allocation
 
-from modelwarden.shared import descriptors, mpack, protocol  # noqa: E402  (as installed: compiled)
+import socket  # noqa: E402
+
+from modelwarden.shared import descriptors, link, mpack, protocol  # noqa: E402  (as installed: compiled)
 from modelwarden.shared.errors import InternalError  # noqa: E402
 from modelwarden.supervisor.routing import limits  # noqa: E402
 
@@ -57,7 +62,8 @@ ROOT = HERE.parent.parent
 PURE_SOURCES = {"modelwarden.shared.mpack": "shared/mpack.py",
                 "modelwarden.shared.protocol": "shared/protocol.py",
                 "modelwarden.shared.descriptors": "shared/descriptors.py",
-                "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py"}
+                "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
+                "modelwarden.shared.link": "shared/link.py"}
 
 
 def load_pure() -> types.SimpleNamespace:
@@ -77,7 +83,7 @@ def load_pure() -> types.SimpleNamespace:
 
 
 COMPILED_PATH = types.SimpleNamespace(mpack=mpack, protocol=protocol, descriptors=descriptors,
-                                      limits=limits)
+                                      limits=limits, link=link)
 PURE = load_pure()
 
 
@@ -220,7 +226,31 @@ def result_reader_agrees(frames: list[bytes]) -> None:
             raise AssertionError(f"read_result gives {found!r}, the full decode {decoded!r}")
 
 
+def as_link_stream(path: types.SimpleNamespace, data: bytes, writable: bool) -> tuple:
+    """What one end of a worker link reads of ``data``, written by its peer, which then closes:
+    the messages (each part's bytes), whether it saw the close, and its refusal if any."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        theirs.sendall(data)  # at most -max_len bytes: the socket's buffer takes them whole
+        theirs.close()
+        end = path.link.Link(ours, writable=writable, max_bytes=MAX_BYTES)
+        messages = []
+        for _ in range(1000):  # every read makes progress; a loop that does not is a finding
+            messages += [[bytes(part) for part in message] for message in end.receive()]
+            if end.eof or end.broken:
+                return (messages, end.eof, end.error)
+        raise AssertionError("the link read neither to the end nor to a refusal")
+    finally:
+        ours.close()
+
+
 def one_input(data: bytes) -> None:
+    for writable in (False, True):
+        compiled = as_link_stream(COMPILED_PATH, data, writable)
+        pure = as_link_stream(PURE, data, writable)
+        if compiled != pure:
+            raise AssertionError(f"link (writable={writable}): compiled {compiled!r} but "
+                                 f"uncompiled {pure!r}")
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
         compiled = outcome(reader, COMPILED_PATH, frames)
@@ -298,10 +328,20 @@ def seeds() -> list[bytes]:
         msgpack.packb([b"MWP0", msgpack.packb(infer), f32]),
         msgpack.packb([]),
     ]
+    streams = [  # worker links: whole messages, then ones cut short, declared past the limit
+        b"".join(link.frame_prefix(parts) + b"".join(parts) for parts in (
+            [msgpack.packb({"type": "result", "rid": 1, "ok": True, "compute_us": 5, "batch": 1}),
+             msgpack.packb({"id": 1, "ok": True}), f32],
+            [msgpack.packb({"type": "heartbeat"})], [b"", b"x" * 70_000, b""])),
+        link.frame_prefix([f32, f32]) + f32,
+        b"\x00\x00\x00\x00",
+        link.frame_prefix([b"a"])[:4] + (MAX_BYTES + 1).to_bytes(8, "little"),
+        (1 << 21).to_bytes(4, "little"),
+    ]
     valid = [_message(infer, f32), _message(strings, text), _message(shm, b"\x00\x00"),
              _message(reply, f32), _message(None, f32, raw=relayed), _message(failure), _message({"type": "hello", "id": "h"}),
              _message({"type": "result", "rid": 70000, "ok": True, "compute_us": 250, "batch": 1}, raw=None)]
-    return valid + hostile
+    return valid + hostile + streams
 
 
 def replay(paths: list[Path]) -> int:
