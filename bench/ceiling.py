@@ -1,0 +1,180 @@
+"""The supervisor's ceiling: its CPU per request against a C zmq.proxy's, in alternating rounds.
+
+    python bench/ceiling.py [--rounds N] [--against CHECKOUT] [--quick] [--json PATH]
+
+Issue 24's supervisor targets are ratios of CPU time, and CPU time on this 2-core machine moves
+by a third from one minute to the next (the load generator, the workers and the supervisor share
+the cores; the host's other tenants share the hardware). One run of bench/serving.py measures
+each number once. This measures them N times, in turns, and states the medians:
+
+* per round, W1 (MLP 64 -> 256 -> 10, [1, 64]) at 64 requests in flight to two workers, for
+  4 s after a 1 s warm-up, batching off and on (max 16, no delay), each on a daemon started for
+  it: the supervisor's CPU per request (user + system, every thread, /proc/PID/stat), as
+  bench/serving.py measures it;
+* in the same round, the floor: a C ``zmq.proxy`` broker's CPU per 1 KiB request at 8 in flight
+  (ROUTER -> DEALER, REQ clients, REP echoes: bench/payloads.py's ``bench_proxy_cpu``);
+* with ``--against``, the same two points for another checkout compiled in place (``git
+  worktree add /tmp/base COMMIT``, then ``python setup.py build_ext --inplace`` there), in the
+  same round, right after this checkout's: the commit before a change, side by side.
+
+Prints every round, then per build and batching setting the median CPU per request, the median
+of the rounds' ratios to the floor, and the requests/s one supervisor core routes at the median
+(1e6 / µs); then issue 24's targets (batching off <= 2.5x the floor, on <= 1.5x; one core
+routes >= 25,000 and >= 50,000 requests/s), MET or MISS, and with ``--against`` this build's
+median over the other's. ``--json`` writes it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import serving  # noqa: E402
+from bench.instructions import importable  # noqa: E402
+from bench.machine import command, machine  # noqa: E402
+from bench.payloads import bench_proxy_cpu  # noqa: E402
+
+IN_FLIGHT = 64
+FLOOR_IN_FLIGHT = "8"
+CONFIGS = (("off", None), ("on", {"max_size": serving.BATCH_MAX, "max_delay_us": 0}))
+# Issue 24: (the floor ratio at most, the requests/s one core routes at least)
+TARGETS = {"off": (2.5, 25_000), "on": (1.5, 50_000)}
+
+
+def supervisor_cpu_us(workdir: Path, tree: Path, batching: dict | None,
+                      timing: serving.Timing) -> float:
+    """The CPU per request of the supervisor of ``tree`` serving W1 at IN_FLIGHT, on a daemon
+    started for this point alone."""
+    workloads = serving.make_workloads(["W1"])
+    text = serving.mw_config_text(workdir / "run", workloads, batching).replace(
+        f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
+    daemon, endpoint = serving.start_daemon(workdir, "ceiling", text, {"w1": workloads["W1"]},
+                                            tree=tree)
+    try:
+        result = serving.mw_point(endpoint, "w1", workloads["W1"], IN_FLIGHT, timing, daemon.pid)
+    finally:
+        serving.stop_process(daemon)
+        shutil.rmtree(workdir / "run", ignore_errors=True)
+    if result["errors"] or "supervisor_cpu_us" not in result:
+        raise RuntimeError(f"the W1 point of {tree} failed: {result}")
+    return result["supervisor_cpu_us"]
+
+
+def run_rounds(trees: dict[str, Path], rounds: int, timing: serving.Timing,
+               floor_requests: int) -> list[dict]:
+    """Each round: every tree's two points, then the floor."""
+    spawn = multiprocessing.get_context("spawn")
+    out = []
+    for number in range(1, rounds + 1):
+        workdir = Path(tempfile.mkdtemp(prefix="mwceil-", dir="/tmp"))
+        try:
+            row = {"round": number}
+            for name, tree in trees.items():
+                for config, batching in CONFIGS:
+                    row[f"{name} {config}"] = supervisor_cpu_us(workdir, tree, batching, timing)
+            row["floor"] = bench_proxy_cpu(workdir, spawn, floor_requests)[FLOOR_IN_FLIGHT]["proxy_cpu_us"]
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"round {number}: " + ", ".join(
+            f"{key} {value} us" for key, value in row.items() if key != "round"), flush=True)
+        out.append(row)
+    return out
+
+
+def summarise(rows: list[dict], trees: dict[str, Path]) -> dict:
+    """Per build and setting: the median CPU per request, the median of the rounds' ratios to
+    their floor, and what one core routes at that median."""
+    summary = {"floor_us": statistics.median(row["floor"] for row in rows)}
+    for name in trees:
+        for config, _ in CONFIGS:
+            key = f"{name} {config}"
+            cpu = [row[key] for row in rows]
+            ratios = [row[key] / row["floor"] for row in rows]
+            summary[key] = {"cpu_us": cpu, "median_us": statistics.median(cpu),
+                            "ratios": [round(value, 3) for value in ratios],
+                            "median_ratio": round(statistics.median(ratios), 3),
+                            "requests_per_s": round(1e6 / statistics.median(cpu))}
+    return summary
+
+
+def targets(summary: dict, against: bool) -> list[dict]:
+    report = []
+    for config, (bound, ceiling) in TARGETS.items():
+        ours = summary[f"this {config}"]
+        report.append({"target": f"supervisor CPU / C proxy CPU at {FLOOR_IN_FLIGHT} in flight, "
+                                 f"batching {config} (median of the rounds)",
+                       "value": ours["median_ratio"], "op": "<=", "bound": bound,
+                       "met": ours["median_ratio"] <= bound})
+        report.append({"target": f"requests/s one supervisor core routes, batching {config} "
+                                 "(at the median CPU)",
+                       "value": ours["requests_per_s"], "op": ">=", "bound": ceiling,
+                       "met": ours["requests_per_s"] >= ceiling})
+        if against:
+            theirs = summary[f"against {config}"]
+            report.append({"target": f"this build's median CPU / the other's, batching {config}",
+                           "value": round(ours["median_us"] / theirs["median_us"], 3),
+                           "op": "", "bound": None, "met": None})
+    return report
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--against", type=Path,
+                        help="another checkout, compiled in place, measured in the same rounds")
+    parser.add_argument("--quick", action="store_true",
+                        help="0.3 s + 1.2 s per point and a shorter floor (a smoke run)")
+    parser.add_argument("--json", type=Path, help="write the rounds, medians and targets here")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    timing = serving.Timing(0.3, 1.2) if args.quick else serving.Timing(1.0, 4.0)
+    trees = {"this": ROOT}
+    if args.against is not None:
+        trees["against"] = importable(args.against.resolve())
+    started = time.monotonic()
+    measured_on = machine()
+    rows = run_rounds(trees, args.rounds, timing, 2000 if args.quick else 20000)
+    summary = summarise(rows, trees)
+    report = targets(summary, args.against is not None)
+    print(f"\nthe floor, median: {summary['floor_us']} us per request")
+    for name, tree in trees.items():
+        for config, _ in CONFIGS:
+            row = summary[f"{name} {config}"]
+            print(f"{name} ({tree}), batching {config}: median {row['median_us']} us per request, "
+                  f"{row['median_ratio']}x the floor (rounds: {row['ratios']}); one core routes "
+                  f"about {row['requests_per_s']:,} requests/s")
+    for line in report:
+        verdict = "----" if line["met"] is None else ("MET " if line["met"] else "MISS")
+        bound = f" (target {line['op']} {line['bound']:,})" if line["bound"] is not None else ""
+        print(f"{verdict} {line['target']}: {line['value']:,}{bound}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "machine": measured_on, "command": command(),
+            "trees": {name: str(tree) for name, tree in trees.items()},
+            "timing": {"warmup_s": timing.warmup_s, "duration_s": timing.duration_s},
+            "in_flight": IN_FLIGHT, "rounds": rows, "summary": summary, "targets": report,
+            "elapsed_s": round(time.monotonic() - started, 1)}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
