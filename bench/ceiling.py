@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -127,6 +128,13 @@ def targets(summary: dict, against: bool) -> list[dict]:
     return report
 
 
+def commit_of(tree: Path) -> str:
+    """The commit ``tree`` is checked out at (a worktree's too), or why not."""
+    done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tree,
+                          capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "not a git checkout"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -169,6 +177,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({
             "machine": measured_on, "command": command(),
             "trees": {name: str(tree) for name, tree in trees.items()},
+            "commits": {name: commit_of(tree) for name, tree in trees.items()},
             "timing": {"warmup_s": timing.warmup_s, "duration_s": timing.duration_s},
             "in_flight": IN_FLIGHT, "rounds": rows, "summary": summary, "targets": report,
             "elapsed_s": round(time.monotonic() - started, 1)}, indent=2))

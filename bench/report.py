@@ -7,7 +7,8 @@
 Each benchmark writes its measurements, the machine it ran on and the command that ran it
 (bench/machine.py) as JSON: serving.json (bench/serving.py), recovery.json (bench/recovery.py),
 memory.json (bench/memory.py), payloads.json (bench/payloads.py), soak.json (bench/soak.py),
-text.json (bench/text.py), instructions.json (bench/instructions.py).
+text.json (bench/text.py), instructions.json (bench/instructions.py), ceiling.json
+(bench/ceiling.py).
 The JSON in docs/results/ is committed beside the figures it drew, so this script regenerates
 the document without running anything; a file that is missing makes its section say how to
 measure it. Every number in the document comes from those files; the prose around them is here.
@@ -747,6 +748,46 @@ def instructions_section(data: dict | None) -> list[str]:
     return out
 
 
+# -- the supervisor's ceiling (CPU per request against a C proxy's, alternating rounds) ---------
+
+def ceiling_section(data: dict | None) -> list[str]:
+    out = ["## CPU per request: what one supervisor core routes", ""]
+    if data is None:
+        return out + not_measured("python bench/ceiling.py --against CHECKOUT "
+                                  "--json docs/results/ceiling.json")
+    trees = data["trees"]
+    out += [
+        "`bench/ceiling.py` measures the supervisor's CPU time per request (user + system, every "
+        f"thread) serving W1 at {data['in_flight']} in flight to two workers, batching off and "
+        "on (16, no delay), and in the same round a C `zmq.proxy` broker's CPU per 1 KiB "
+        "request at 8 in flight (ROUTER -> DEALER, REQ clients, REP echoes), over "
+        f"{len(data['rounds'])} rounds in turns"
+        + (f", each round measuring commit `{data.get('commits', {}).get('against', '?')}` "
+           "(the commit before a change, compiled in place) right after this checkout"
+           if "against" in trees else "")
+        + ". A round's ratio is to its own floor; the medians are stated. Requests/s is what one "
+          "core routes at the median CPU (1e6 / µs).", ""]
+    out += provenance(data) + [""]
+    summary = data["summary"]
+    rows = []
+    for name in trees:
+        for config in ("off", "on"):
+            row = summary[f"{name} {config}"]
+            who = "this checkout" if name == "this" else "the checkout before the change"
+            rows.append([f"{who}, batching {config}", ", ".join(f"{v:g}" for v in row["cpu_us"]),
+                         f"{row['median_us']:g}", ", ".join(f"{v:.2f}" for v in row["ratios"]),
+                         f"{row['median_ratio']:.2f}", f"{row['requests_per_s']:,}"])
+    out += table(["supervisor", "µs per request, by round", "median µs", "x the floor, by round",
+                  "median x", "requests/s one core routes"], rows) + [""]
+    floors = ", ".join(f"{row['floor']:g}" for row in data["rounds"])
+    out += [f"The floor, by round: {floors} µs per request (median {summary['floor_us']:g}).", ""]
+    out += table(["target", "bound", "measured", ""],
+                 [[t["target"], f"{t['op']} {t['bound']:,}" if t["bound"] is not None else "-",
+                   f"{t['value']:,}", verdict(t["met"]) if t["bound"] is not None else "-"]
+                  for t in data["targets"]]) + [""]
+    return out
+
+
 # -- text (W4) ---------------------------------------------------------------------------------
 
 TEXT_SYSTEMS = {"modelwarden": "modelwarden native", "gateway": "modelwarden gateway REST JSON",
@@ -912,6 +953,7 @@ def render(results: Path, img: Path) -> str:
     lines += memory_section(load(results, "memory"), img)
     lines += payloads_section(load(results, "payloads"), img)
     lines += instructions_section(load(results, "instructions"))
+    lines += ceiling_section(load(results, "ceiling"))
     lines += text_section(load(results, "text"), img)
     lines += soak_section(load(results, "soak"))
     lines += OTHERS
