@@ -40,7 +40,7 @@ cdef class Link:
     cdef public object sock, buffer, view, big, whole, out, on_pending, error, max_bytes
     cdef public int fd
     cdef public bint writable, eof, broken
-    cdef public Py_ssize_t start, end
+    cdef public Py_ssize_t start, end, read_per_call, taken
 
     cpdef bint send(self, list parts, bint blocking=*) except -1
     @cython.locals(written=Py_ssize_t)
@@ -71,6 +71,7 @@ cdef class Link:
     cdef object _split_c(self, Py_ssize_t count, Py_ssize_t head)
     cdef list _split(self, object lengths, Py_ssize_t at)
     cdef _start_big(self, object lengths, Py_ssize_t body)
+    @cython.locals(left=Py_ssize_t, room=Py_ssize_t, got=Py_ssize_t, filled=Py_ssize_t)
     cdef bint _read_big(self) except -1
     @cython.locals(grown=Py_ssize_t)
     cdef tuple _big_target(self)

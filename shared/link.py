@@ -20,8 +20,11 @@ to do, and waits in poll(2) until the supervisor reads. A peer that is gone (EPI
 makes the link ``broken``: what it would have written is dropped, and the worker's sentinel
 tells the supervisor the rest.
 
-Reading takes what the socket holds (one recv into a buffer, more while the reads fill it) and
-answers every message complete by then. A message of SMALL_BELOW bytes or more is read straight
+Reading takes what the socket holds (one recv into a buffer, more while the reads fill it), up
+to ``read_per_call`` bytes, and answers every message complete by then. The bound is the
+loop's: a worker's large result streams in while it is read, and unbounded its reader (the
+supervisor's one loop) would copy all of it before serving anyone else; bounded, what is left
+waits in the socket, which poll(2) reports again in the next round. A message of SMALL_BELOW bytes or more is read straight
 into a bytearray per part, which grows with what arrives (a declared length costs the link only
 what the peer sent). Parts below COPY_BELOW come out as ``bytes`` (the supervisor reads headers
 from them) or, with ``writable``, as writable memoryviews (a worker's model may write into its
@@ -61,6 +64,7 @@ GROW_FROM = 1 << 20  # a large message's part is first given this much room (or 
 SEND_BUFFER = 4 << 20  # SO_SNDBUF asked of each end: fewer rounds for a large message
 MAX_PARTS = 1 << 20  # a batch of 256 requests of 1024 tensors each has 262,400
 MAX_BYTES = 1 << 40  # a message's parts in all: a sanity bound on a length no memory can hold
+READ_PER_CALL = 4 << 20  # bytes one ``receive`` reads from the socket, at most (one memcpy of ~1 ms)
 IOV_MAX = 1024  # iovecs per sendmsg (Linux's UIO_MAXIOV)
 FAST_PARTS = 64  # compiled: a message of fewer parts is written and split in C
 # The C copies the compiled code reads (link.pxd): the names above stay the module's own.
@@ -96,9 +100,12 @@ def aligned_offsets(lengths) -> tuple[list, int]:
 class Link:
     """One end of a worker link over the connected stream socket ``sock`` (a ``socket.socket``,
     made non-blocking here). ``writable``: received parts may be written into (the worker's
-    end); ``max_bytes``: the largest message accepted. Compiled, an extension type (link.pxd)."""
+    end); ``max_bytes``: the largest message accepted; ``read_per_call``: the bytes one
+    ``receive`` reads from the socket before it answers. Compiled, an extension type
+    (link.pxd)."""
 
-    def __init__(self, sock, writable: bool = False, max_bytes: int = MAX_BYTES) -> None:
+    def __init__(self, sock, writable: bool = False, max_bytes: int = MAX_BYTES,
+                 read_per_call: int = READ_PER_CALL) -> None:
         sock.setblocking(False)
         try:  # the kernel holds up to this much of what we wrote (within net.core.wmem_max)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
@@ -108,6 +115,8 @@ class Link:
         self.fd = sock.fileno()
         self.writable = writable
         self.max_bytes = max_bytes
+        self.read_per_call = read_per_call
+        self.taken = 0  # bytes the current ``receive`` has read from the socket
         self.buffer = bytearray(BUFFER_BYTES)
         self.view = memoryview(self.buffer)
         self.start = 0  # the first byte not yet parsed
@@ -231,15 +240,16 @@ class Link:
     # -- reading -------------------------------------------------------------------------------
 
     def receive(self) -> list:
-        """Every message complete once what the socket holds now is read; [] if none. At the
-        peer's close, ``eof`` is set (after the messages it wrote before); at a frame that does
-        not parse, ``error`` says what it was and the link is ``broken`` (the messages before it
-        are still answered)."""
+        """Every message complete once what the socket holds now is read, up to
+        ``read_per_call`` bytes of it; [] if none. At the peer's close, ``eof`` is set (after
+        the messages it wrote before); at a frame that does not parse, ``error`` says what it
+        was and the link is ``broken`` (the messages before it are still answered)."""
         messages = []
         if self.broken or self.eof:
             return messages
+        self.taken = 0
         try:
-            while True:
+            while self.taken < self.read_per_call:
                 if self.big is not None:
                     if not self._read_big():
                         return messages
@@ -251,7 +261,7 @@ class Link:
                     return messages
         except LinkError as exc:
             self.error = str(exc)
-            return messages
+        return messages
 
     def _make_room(self, size: int) -> None:
         """Move what is unparsed to the start of a buffer that holds at least ``size`` bytes."""
@@ -277,6 +287,7 @@ class Link:
         else:
             got = self._recv_into(self.view[self.end:], room)
         self.end += got
+        self.taken += got
         return got == room
 
     def _recv_into(self, target, size: int) -> int:
@@ -431,13 +442,18 @@ class Link:
             self._big_advance(take)
 
     def _read_big(self) -> bool:
-        """Read more of the big message straight into its parts' bytearrays; True once it is
-        whole."""
+        """Read more of the big message straight into its parts' bytearrays, within what is
+        left of this call's ``read_per_call``; True once it is whole."""
         while self.big is not None:
+            left = self.read_per_call - self.taken
+            if left <= 0:
+                return False
             target, filled, room = self._big_target()
+            room = min(room, left)
             got = self._recv_into(memoryview(target)[filled:filled + room], room)
             if got == 0:
                 return False
+            self.taken += got
             self._big_advance(got)
         return True
 

@@ -5,11 +5,13 @@ peer each end the link the way the module says. Also run uncompiled (tests/test_
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import select
 import socket
 import struct
+import termios
 import threading
 import time
 
@@ -206,3 +208,38 @@ def test_a_tensors_view_travels_as_its_bytes():
 def test_the_compiled_fast_paths_are_compiled_with_the_module():
     compiled = not link_module.__file__.endswith(".py")
     assert hasattr(link_module, "_sendmsg_c") is not compiled  # a C function is not an attribute
+
+
+def queued_bytes(sock: socket.socket) -> int:
+    """What the kernel holds unread on ``sock`` (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
+@pytest.mark.parametrize("size, per_call, count", [(16 << 20, 1 << 20, 1), (64, 16 << 10, 50_000)])
+def test_one_receive_reads_at_most_its_bound_and_the_rest_waits_in_the_socket(size, per_call, count):
+    """A worker's large result (or a flood of small ones) does not hold the supervisor's loop
+    while it streams in: a receive reads ``read_per_call`` bytes (one read buffer more at
+    most), the rest stays in the socket, which still polls readable, and what comes out in the
+    end is every message, whole and in order."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    reader, writer = Link(ours, read_per_call=per_call), Link(theirs)
+    rng = random.Random(size)
+    messages = [[rng.randbytes(size)] for _ in range(count)]
+    thread = threading.Thread(target=lambda: [writer.send(message, True) for message in messages],
+                              daemon=True)  # a failed test must not leave pytest waiting on it
+    thread.start()
+    got: list = []
+    waiting = per_call + 2 * BUFFER_BYTES  # more than one bounded receive may take
+    deadline = time.monotonic() + 10
+    while queued_bytes(ours) < waiting:  # the writer has filled the socket that far
+        assert time.monotonic() < deadline, queued_bytes(ours)
+        select.select([], [], [], 0.01)
+    got.extend(reader.receive())
+    assert per_call <= reader.taken <= per_call + BUFFER_BYTES
+    assert queued_bytes(ours) > 0 and select.select([reader.fd], [], [], 0)[0]
+    while len(got) < count:
+        assert select.select([reader.fd], [], [], 10)[0], "the socket stopped polling readable"
+        got.extend(reader.receive())
+        assert reader.taken <= per_call + BUFFER_BYTES
+    thread.join(10)
+    assert len(got) == count and all(as_bytes(a) == b for a, b in zip(got, messages))

@@ -7,7 +7,8 @@ and a link its worker closed or garbled (``Arbiter.link_closed``).
 
 Each drain of a frontend takes at most DRAIN_MAX messages (the poller is level-triggered, so
 the next round sees whatever is left), which keeps every socket served in turn; a link's drain
-takes what its socket holds (one read, more while the buffer fills). Client messages
+takes what its socket holds, up to 4 MiB (shared/link.py READ_PER_CALL: a worker's large result
+streams in over several rounds, between which the other sockets are served). Client messages
 arrive through shared/sockets.py, small frames as bytes, with the property that names their
 sender; a message is checked (frames and bytes), split, and its header parsed strictly before
 anything else is read of it. A bug while handling one message is logged and answered INTERNAL;
