@@ -31,7 +31,6 @@ import json
 import multiprocessing
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
 from bench.instructions import importable  # noqa: E402
-from bench.machine import command, machine  # noqa: E402
+from bench.machine import command, commit_of, machine  # noqa: E402
 from bench.payloads import bench_proxy_cpu  # noqa: E402
 
 IN_FLIGHT = 64
@@ -126,13 +125,6 @@ def targets(summary: dict, against: bool) -> list[dict]:
                            "value": round(ours["median_us"] / theirs["median_us"], 3),
                            "op": "", "bound": None, "met": None})
     return report
-
-
-def commit_of(tree: Path) -> str:
-    """The commit ``tree`` is checked out at (a worktree's too), or why not."""
-    done = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=tree,
-                          capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else "not a git checkout"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -38,16 +38,17 @@ def _memory_bytes() -> int | None:
     return None
 
 
-def _commit() -> str | None:
+def commit_of(root: Path = ROOT) -> str | None:
+    """The commit the checkout at ``root`` is at (a worktree's too), and what it has uncommitted."""
     try:
-        done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     commit = done.stdout.strip()
     if not commit:
         return None
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                            capture_output=True, text=True, timeout=10).stdout.split("\n")
     paths = [line[3:] for line in dirty if line.strip()]
     if not paths:
@@ -72,7 +73,7 @@ def machine(at: str = "start") -> dict:
         "load_average": [round(value, 2) for value in os.getloadavg()],
         "recorded_at": at,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(),
+        "commit": commit_of(),
     }
 
 
