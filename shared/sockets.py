@@ -98,7 +98,7 @@ def recv_routed(socket, prop):
 
 def recv_frames(socket, flags=0):
     """One multipart message for a process that may write into what it receives (a client's
-    reply tensors, a worker's input tensors): every part a writable buffer that stays where
+    reply tensors): every part a writable buffer that stays where
     libzmq put it, with ``.buffer``, ``.bytes`` and ``len()`` -- compiled a ``Part``,
     uncompiled a ``zmq.Frame``. None when ``flags`` has NOBLOCK and nothing is waiting."""
     if COMPILED:
