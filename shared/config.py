@@ -209,7 +209,11 @@ class ModelConfig(_Strict):
     # requests
     timeout: float = Field(default=30.0, gt=0, description="default request deadline, seconds")
     max_queue: int = Field(default=1024, ge=1)
-    max_inflight: int = Field(default=1, ge=1, le=64)
+    # Two: the worker finds its next request waiting when it finishes one, instead of idling
+    # for the supervisor's hop (W1 at 64 in flight: 1.4x the requests/s of one at a time, and
+    # the supervisor's CPU per request down by a third; docs/BENCHMARKS.md).
+    max_inflight: int = Field(default=2, ge=1, le=64,
+                              description="requests sent to one worker at a time")
     retries: int = Field(default=1, ge=0, le=1)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     # health and restarts

@@ -10,7 +10,8 @@ Faults:
   none        behaves
   raise       raises ValueError when the input holds the marker value 13.0
   oom         raises torch.OutOfMemoryError when the input holds the marker value 13.0
-  poison      SIGKILLs its own process when the input holds the marker 13.0 (kills every worker)
+  poison      SIGKILLs its own process when the input holds the marker 13.0 (kills every worker),
+              ``delay`` seconds into the forward
   segfault    faulthandler._sigsegv() in forward
   exit0       os._exit(0) in forward
   hang        never returns from forward (only on batch size ``only_batch`` if given)
@@ -37,6 +38,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import torch
 from torch import nn
@@ -81,6 +83,7 @@ class Faulty(nn.Module):
         if self.fault == "oom" and has_marker:
             raise torch.OutOfMemoryError("the input holds the marker value (test OOM)")
         if self.fault == "poison" and has_marker:
+            time.sleep(self.delay)
             os.kill(os.getpid(), signal.SIGKILL)
         if armed:
             self._misbehave()

@@ -129,6 +129,21 @@ def test_poison_input_is_answered_poison_and_the_pool_recovers():
         assert_no_request_lost(counts)
 
 
+def test_a_request_beside_a_poison_input_on_its_worker_is_answered_and_the_poison_dies_alone():
+    # One worker holding two requests (max_inflight 2, the default): the poison one dies half a
+    # second into its forward, while the other waits behind it on the same worker.
+    with Daemon([chaos_model("victim", "poison", workers=1, delay=0.5)]) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint, timeout=90) as client:
+            poisoned = client.submit("victim", torch.full((2, 8), MARKER))
+            innocent = torch.randn(2, 8)
+            beside = client.submit("victim", innocent)
+            assert torch.allclose(beside.result(90), reference(innocent))
+            with pytest.raises(Poison):
+                poisoned.result(90)
+        assert "died holding 2 request(s)" in daemon.log()  # they were on one worker together
+
+
 @pytest.mark.parametrize("fault", ["drift", "nan"])
 def test_a_drifting_worker_is_replaced_before_it_is_retired(fault):
     model = chaos_model("drifty", fault, workers=1, after=12)

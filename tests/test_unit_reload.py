@@ -57,7 +57,7 @@ def test_what_a_worker_is_built_from_rolls_it(field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("timeout", 5.0), ("max_queue", 3), ("max_inflight", 2), ("fatal_retry", 0),
+    ("timeout", 5.0), ("max_queue", 3), ("max_inflight", 3), ("fatal_retry", 0),
     ("batching", {"max_size": 8}), ("probe", {"interval": 1.0, "max_replacements": 1}),
 ])
 def test_supervisor_policy_applies_in_place(field, value):

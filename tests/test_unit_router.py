@@ -79,6 +79,9 @@ class Harness:
     def __init__(self, context: zmq.Context, workers: int = 1, **model) -> None:
         self.host = FakeRouterHost(context)
         self.router = self.host.router = Router(self.host)
+        # One request per worker at a time unless a test says otherwise: most tests here are
+        # about when requests queue, which is plainest at one.
+        model.setdefault("max_inflight", 1)
         self.pool = make_pool(self.host, workers=workers, **model)
         self.host.pools[self.pool.name] = self.pool
         self.pool.start_all()
@@ -287,6 +290,37 @@ def test_a_dead_workers_batch_is_retried_one_per_forward_and_poison_ends_alone(c
     assert header["id"] == members[0] and header["error"]["code"] == protocol.POISON
     assert [request.client_id for request in rig.router.services[rig.pool.name].queue] == members[1:]
     assert all(request.alone for request in rig.router.services[rig.pool.name].queue)
+
+
+def test_requests_beside_others_on_a_dead_worker_run_alone_and_poison_ends_alone(context):
+    rig = Harness(context, workers=2, max_inflight=2)
+    first, second = rig.handles
+    client_ids = [rig.send() for _ in range(4)]
+    held = {handle: [rig.worker_receives(handle)[0]["rid"] for _ in range(2)]
+            for handle in (first, second)}  # two in flight on each worker
+    owner = {rid: client_id for client_id, rid in zip(client_ids, sorted(
+        rid for rids in held.values() for rid in rids))}
+    exit_with(rig.pool, first, -9)  # it dies holding two: either may be what killed it
+    rig.router.dispatch_wanted()
+    queue = rig.router.services[rig.pool.name].queue
+    assert [request.rid for request in queue] == held[first] and all(r.alone for r in queue)
+    late = rig.send()  # queued behind them, and not alone
+    rig.answer(second, held[second][0], owner[held[second][0]])
+    rig.client_receives()
+    assert rig.worker_idle(second)  # one still in flight there: a head that runs alone waits
+    rig.answer(second, held[second][1], owner[held[second][1]])
+    rig.client_receives()
+    for rid in held[first]:  # each alone, on a worker that holds nothing else
+        run, _ = rig.worker_receives(second)
+        assert run["rid"] == rid and rig.worker_idle(second), run
+        if rid == held[first][0]:
+            rig.answer(second, rid, owner[rid])
+            assert rig.client_receives()[0]["id"] == owner[rid]
+    assert [request.client_id for request in queue] == [late]  # it waits while one runs alone
+    exit_with(rig.pool, second, -9)  # the second killed this worker too, alone: poison
+    header, _ = rig.client_receives()
+    assert header["id"] == owner[held[first][1]] and header["error"]["code"] == protocol.POISON
+    assert not queue[0].alone and queue[0].deaths == 0  # the late one never ran beside it
 
 
 def test_a_worker_error_reply_is_relayed_unchanged(context):

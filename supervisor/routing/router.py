@@ -277,7 +277,9 @@ class Router:
         config = service.batching
         slots = pool.slots
         while queue:
-            handle = least_loaded(slots, service.max_inflight)
+            # A head that runs alone waits for a worker holding nothing (it blocks the queue
+            # behind it only until one frees: it is rare, a retry after a death).
+            handle = least_loaded(slots, 1 if queue[0].alone else service.max_inflight)
             if handle is None:
                 return
             if service.batch_enabled:
@@ -529,6 +531,7 @@ class Router:
         """The worker is gone or declared dead: retry what it held, or answer it."""
         held = list(handle.inflight.values())
         handle.inflight.clear()
+        beside_others = sum(not isinstance(request, ProbeRequest) for request in held) > 1
         retry = []
         for request in held:
             if isinstance(request, ProbeRequest):
@@ -536,7 +539,9 @@ class Router:
                 continue
             if request.done:
                 continue
-            request.alone = request.alone or request.batch_size > 1
+            # Beside others when the worker died (a batch, or max_inflight > 1): any of them may
+            # be what killed it, so each runs alone from now on and a poison input dies alone.
+            request.alone = request.alone or beside_others
             verdict = after_worker_death(request, pool.config.retries)
             if verdict is None:
                 retry.append(request)
@@ -592,6 +597,8 @@ def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: flo
     request.worker = handle
     request.batch_size = batch_size
     request.dispatched_ns = now_ns()
+    if not handle.inflight:  # what the worker holds runs alone when its first request does
+        handle.alone = request.alone
     handle.inflight[request.rid] = request
     handle.last_dispatch = now
 

@@ -11,6 +11,7 @@ cdef object _READY, _FATAL
                load=cython.Py_ssize_t, used=cython.double, handle=WorkerHandle, best=WorkerHandle,
                which=cython.int, slot=Slot)
 cpdef object least_loaded(object slots, Py_ssize_t limit)
+@cython.locals(load=cython.Py_ssize_t)
 cpdef bint has_room(WorkerHandle handle, Py_ssize_t limit) except -1
 @cython.locals(slot=Slot)
 cpdef bint serves_nothing(object slots) except -1

@@ -18,12 +18,12 @@ _FATAL = SlotState.FATAL
 
 
 def least_loaded(slots, limit):
-    """The READY worker with room (fewer than ``limit`` in flight) and the fewest requests in
-    flight; workers failing probes (or being replaced) only when nobody else has room; ties go
-    to the *most* recently used: its model is still in the CPU caches. (Least recently used
-    alternated the workers at low load, so each forward found its weights evicted by the other
-    worker's: a 13 MB model's forward measured 3x slower that way on a 2-core machine.) None
-    when no worker has room."""
+    """The READY worker with room (fewer than ``limit`` in flight, and none if what it holds
+    runs alone) and the fewest requests in flight; workers failing probes (or being replaced)
+    only when nobody else has room; ties go to the *most* recently used: its model is still in
+    the CPU caches. (Least recently used alternated the workers at low load, so each forward
+    found its weights evicted by the other worker's: a 13 MB model's forward measured 3x slower
+    that way on a 2-core machine.) None when no worker has room."""
     best = None
     best_suspect = True
     best_load = 0
@@ -36,7 +36,7 @@ def least_loaded(slots, limit):
             if handle is None or handle.state is not _READY:
                 continue
             load = len(handle.inflight)
-            if load >= limit:
+            if load >= limit or (load and handle.alone):
                 continue
             suspect = handle.probe.consecutive_failures > 0 or handle.retiring is not None
             used = handle.last_dispatch
@@ -52,8 +52,9 @@ def least_loaded(slots, limit):
 
 
 def has_room(handle, limit):
-    """READY, with fewer than ``limit`` requests in flight."""
-    return handle.state is _READY and len(handle.inflight) < limit
+    """READY, with fewer than ``limit`` requests in flight and none that runs alone."""
+    load = len(handle.inflight)
+    return handle.state is _READY and load < limit and not (load and handle.alone)
 
 
 def serves_nothing(slots):
