@@ -209,11 +209,12 @@ class ModelConfig(_Strict):
     # requests
     timeout: float = Field(default=30.0, gt=0, description="default request deadline, seconds")
     max_queue: int = Field(default=1024, ge=1)
-    # Two: the worker finds its next request waiting when it finishes one, instead of idling
-    # for the supervisor's hop (W1 at 64 in flight: 1.4x the requests/s of one at a time, and
-    # the supervisor's CPU per request down by a third; docs/BENCHMARKS.md).
-    max_inflight: int = Field(default=2, ge=1, le=64,
-                              description="requests sent to one worker at a time")
+    # Left out: 2 without batching, so a worker finds its next request waiting when it finishes
+    # one instead of idling for the supervisor's hop (docs/BENCHMARKS.md, the ceiling); 1 with
+    # batching, where a request that waits in the queue while every worker is busy can still
+    # join a batch, and one sent to a busy worker cannot.
+    max_inflight: int | None = Field(default=None, ge=1, le=64, description=(
+        "requests sent to one worker at a time; default 2, or 1 with batching on"))
     retries: int = Field(default=1, ge=0, le=1)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     # health and restarts
@@ -264,6 +265,8 @@ class ModelConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ModelConfig":
+        if self.max_inflight is None:  # frozen: the one default that depends on another field
+            object.__setattr__(self, "max_inflight", 1 if self.batching.max_size > 1 else 2)
         if isinstance(self.device, list) and len(self.device) != self.workers:
             raise ValueError(f"device lists {len(self.device)} devices for {self.workers} workers")
         if self.cores is not None:

@@ -153,6 +153,14 @@ def test_warmup_needs_an_input_spec(tmp_path):
     assert_config_error(serve_check(write(tmp_path, [model])), "models[0]", "warm-up needs")
 
 
+def test_max_inflight_defaults_to_two_and_to_one_with_batching_unless_set(tmp_path):
+    models = [mlp_model(name="plain", workers=1),
+              mlp_model(name="batched", workers=1, batching={"max_size": 8}),
+              mlp_model(name="set", workers=1, batching={"max_size": 8}, max_inflight=3)]
+    settings = load_settings(write(tmp_path, models))
+    assert [model.max_inflight for model in settings.models] == [2, 1, 3]
+
+
 def test_inputs_may_be_str_or_bytes_elements(tmp_path):
     model = mlp_model(workers=1, inputs=[{"name": "texts", "dtype": "str", "shape": [-1]},
                                          {"name": "blob", "dtype": "bytes", "shape": []}])
