@@ -326,12 +326,18 @@ class _IOThread(threading.Thread):
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.inbox.append((model, inputs, timeout, details, future))
         os.write(self._wake_write, b"x")
+        if not self.is_alive():  # the thread ended (its finally ran): nobody will send it
+            self._fail_unsent()
         return future
 
     def stop(self) -> None:
         self._stopping = True
-        os.write(self._wake_write, b"x")
-        self.join(5)
+        if self.is_alive():
+            os.write(self._wake_write, b"x")
+            self.join(5)
+        if not self.is_alive():  # the wake pipe is closed here, once nothing can use it
+            os.close(self._wake_read)
+            os.close(self._wake_write)
 
     def run(self) -> None:
         self.connection = connection = _Connection(self.context, self.endpoint, self.curve)
@@ -349,13 +355,15 @@ class _IOThread(threading.Thread):
             for pending, future, _, _, _ in self.waiting.values():
                 self.session.discard(pending)
                 future.set_exception(RuntimeError("the client was closed"))
-            while self.inbox:  # submitted but never sent: they must not wait forever either
-                future = self.inbox.popleft()[-1]
-                if future.set_running_or_notify_cancel():
-                    future.set_exception(RuntimeError("the client was closed"))
+            self._fail_unsent()
             connection.close()
-            os.close(self._wake_read)
-            os.close(self._wake_write)
+
+    def _fail_unsent(self) -> None:
+        """Submitted but never sent: they must not wait forever either."""
+        while self.inbox:
+            future = self.inbox.popleft()[-1]
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the client was closed"))
 
     def _next_deadline(self) -> int | None:
         if not self.waiting:

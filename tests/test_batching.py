@@ -232,7 +232,8 @@ def test_deadlines_and_overloaded_hold_under_batching(tmp_path):
 
 
 def test_batching_off_is_one_request_per_forward(tmp_path):
-    with Daemon([pair_model(tmp_path, batching={"max_size": 1})]) as daemon:
+    # max_inflight 1, as batching's default: the three wait in the queue behind the gate
+    with Daemon([pair_model(tmp_path, batching={"max_size": 1}, max_inflight=1)]) as daemon:
         daemon.wait_ready()
         requests = [inputs(1, seed) for seed in range(3)]
         with Client(daemon.endpoint) as client:

@@ -344,7 +344,8 @@ def test_unregister_revokes_only_the_callers_tokens(daemon):
 
 
 def test_a_queued_request_whose_token_is_revoked_is_answered_buffer_not_registered():
-    slow = echo("slow", copy=True, kwargs={"copy": True, "delay": 1.0})
+    # one request in the worker at a time: the second waits in the queue
+    slow = echo("slow", copy=True, kwargs={"copy": True, "delay": 1.0}, max_inflight=1)
     with Daemon([slow], daemon={"shm_threshold": THRESHOLD}) as daemon:
         daemon.wait_ready()
         segment = shm.create_segment(64 * 1024)

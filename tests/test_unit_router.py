@@ -323,6 +323,29 @@ def test_requests_beside_others_on_a_dead_worker_run_alone_and_poison_ends_alone
     assert not queue[0].alone and queue[0].deaths == 0  # the late one never ran beside it
 
 
+def test_a_probe_behind_a_request_on_its_worker_times_out_only_from_that_answer(context):
+    rig = Harness(context, max_inflight=2, probe={"interval": 1.0, "timeout": 2.0},
+                  inputs=[{"name": "x", "dtype": "float32", "shape": [-1, 8]}])
+    worker = rig.handles[0]
+    client_id = rig.send()
+    run, _ = rig.worker_receives(worker)
+    worker.probe.due_at = rig.host.now
+    rig.router.send_due_probes(rig.pool, rig.pool.ready())
+    probe, _ = rig.worker_receives(worker)
+    assert probe.get("probe") and worker.probe.rid == probe["rid"]  # behind the request
+    rig.host.now += 3.0  # the request's forward takes longer than the probe's timeout (2 s)
+    rig.pool.tick(rig.host.now)
+    assert not worker.probe.unanswered  # it has not started
+    rig.answer(worker, run["rid"], client_id)
+    rig.client_receives()
+    rig.host.now += 1.5  # 4.5 s since the probe was sent, 1.5 s since it could start
+    rig.pool.tick(rig.host.now)
+    assert not worker.probe.unanswered and worker.retiring is None
+    rig.host.now += 1.0  # 2.5 s since it could start: the worker is stuck in it
+    rig.pool.tick(rig.host.now)
+    assert worker.probe.unanswered and "probe unanswered" in worker.retiring
+
+
 def test_a_worker_error_reply_is_relayed_unchanged(context):
     rig = Harness(context)
     worker = rig.handles[0]

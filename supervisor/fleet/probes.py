@@ -47,6 +47,7 @@ class ProbeRecord:
     due_at: float = 0.0
     inflight_since: float | None = None
     rid: int | None = None  # the probe in flight; a late answer to an older one is ignored
+    ahead: int = 0  # requests the worker got before the probe in flight and has not answered
     unanswered: bool = False  # a probe timed out: the worker is stuck, replace it
     last_at: float | None = None  # wall-clock time of the last verdict
     last_ok: bool | None = None
@@ -58,18 +59,29 @@ class ProbeRecord:
     baseline_us: int | None = None
     cuda_bytes: int | None = None  # CUDA memory the worker held right after its last probe
 
-    def sent(self, rid: int, now: float) -> None:
-        self.rid, self.inflight_since = rid, now
+    def sent(self, rid: int, now: float, ahead: int = 0) -> None:
+        """``ahead``: the requests the worker holds already (max_inflight > 1). It serves what
+        it holds one at a time, in the order sent, so the probe's timeout counts from the
+        answer to the last of them, not through their forwards."""
+        self.rid, self.inflight_since, self.ahead = rid, now, ahead
+
+    def answered_ahead(self, now: float) -> None:
+        """The worker answered a request (not a probe). While a probe is in flight behind
+        requests, this is one of them: the last one starts the probe's clock."""
+        if self.ahead:
+            self.ahead -= 1
+            self.inflight_since = now
 
     def settle(self) -> None:
         """No probe is in flight any more: answered, timed out, or its worker gone."""
         self.rid = self.inflight_since = None
+        self.ahead = 0
 
 
     def timed_out(self, now: float, timeout: float) -> bool:
         """The probe in flight has waited longer than ``timeout``: settled, and marked
         unanswered (the worker still holds it, so no later probe can reach it)."""
-        if self.inflight_since is None or now - self.inflight_since <= timeout:
+        if self.inflight_since is None or self.ahead or now - self.inflight_since <= timeout:
             return False
         self.settle()
         self.unanswered = True

@@ -379,8 +379,8 @@ class Router:
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(self._new_rid(), handle)
         handle.link.send([probes.run_probe(probe.rid)])
+        handle.probe.sent(probe.rid, now, len(handle.inflight))
         handle.inflight[probe.rid] = probe
-        handle.probe.sent(probe.rid, now)
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -408,8 +408,12 @@ class Router:
         if needs_the_pool(handle):
             pool.after_result(handle)
         service = self.service_of(pool)
-        if service.probes and handle.state is _READY:
-            self._probe_if_due(service, handle, self._clock())
+        if service.probes:
+            now = self._clock()
+            if not isinstance(request, ProbeRequest):
+                handle.probe.answered_ahead(now)  # a probe behind it may start now
+            if handle.state is _READY:
+                self._probe_if_due(service, handle, now)
         if service.wanted is None:
             self._wanted.append(service)
         service.wanted = pool
