@@ -33,11 +33,9 @@ def least_loaded(slots, limit):
         previous = slot.previous
         for which in range(2):  # the two workers a slot may have, without a tuple per slot
             handle = current if which == 0 else previous
-            if handle is None or handle.state is not _READY:
+            if handle is None or not has_room(handle, limit):
                 continue
             load = len(handle.inflight)
-            if load >= limit or (load and handle.alone):
-                continue
             suspect = handle.probe.consecutive_failures > 0 or handle.retiring is not None
             used = handle.last_dispatch
             # (suspect, load, -used) smallest wins; on a tie the first seen stays
