@@ -52,8 +52,8 @@ ERROR_CODES: dict[str, str] = {
     MODEL_ERROR: "the model raised an exception; the worker stays up",
     OUT_OF_MEMORY: "the model ran out of (GPU) memory on this input; that worker is replaced "
                    "(its other requests are answered first)",
-    WORKER_DIED: "the worker died while holding the request and retries are off or spent",
-    POISON: "the request was in flight on two workers that both died; it is not retried again",
+    WORKER_DIED: "the worker died while running the request and retries are off or spent",
+    POISON: "the request was running on two workers that both died; it is not retried again",
     TIMEOUT: "the request's deadline passed before an answer",
     OVERLOADED: "a queue or byte limit is full (the message names it); retry later",
     SHUTTING_DOWN: "the daemon is stopping and takes no new work",

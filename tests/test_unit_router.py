@@ -292,35 +292,41 @@ def test_a_dead_workers_batch_is_retried_one_per_forward_and_poison_ends_alone(c
     assert all(request.alone for request in rig.router.services[rig.pool.name].queue)
 
 
-def test_requests_beside_others_on_a_dead_worker_run_alone_and_poison_ends_alone(context):
+def test_a_dead_worker_counts_its_death_against_its_first_request_only(context):
     rig = Harness(context, workers=2, max_inflight=2)
     first, second = rig.handles
     client_ids = [rig.send() for _ in range(4)]
     held = {handle: [rig.worker_receives(handle)[0]["rid"] for _ in range(2)]
-            for handle in (first, second)}  # two in flight on each worker
+            for handle in (first, second)}  # two in flight on each, in the order sent
     owner = {rid: client_id for client_id, rid in zip(client_ids, sorted(
         rid for rids in held.values() for rid in rids))}
-    exit_with(rig.pool, first, -9)  # it dies holding two: either may be what killed it
+    running, behind = held[first]
+    exit_with(rig.pool, first, -9)  # only the first can have been running: the second waited
     rig.router.dispatch_wanted()
     queue = rig.router.services[rig.pool.name].queue
-    assert [request.rid for request in queue] == held[first] and all(r.alone for r in queue)
-    late = rig.send()  # queued behind them, and not alone
-    rig.answer(second, held[second][0], owner[held[second][0]])
-    rig.client_receives()
-    assert rig.worker_idle(second)  # one still in flight there: a head that runs alone waits
-    rig.answer(second, held[second][1], owner[held[second][1]])
-    rig.client_receives()
-    for rid in held[first]:  # each alone, on a worker that holds nothing else
-        run, _ = rig.worker_receives(second)
-        assert run["rid"] == rid and rig.worker_idle(second), run
-        if rid == held[first][0]:
-            rig.answer(second, rid, owner[rid])
-            assert rig.client_receives()[0]["id"] == owner[rid]
-    assert [request.client_id for request in queue] == [late]  # it waits while one runs alone
-    exit_with(rig.pool, second, -9)  # the second killed this worker too, alone: poison
+    assert [(r.rid, r.deaths, r.alone) for r in queue] == [(running, 1, False), (behind, 0, False)]
+    for rid in held[second]:  # each answer frees room for one retry, in order
+        rig.answer(second, rid, owner[rid])
+        rig.client_receives()
+    assert [rig.worker_receives(second)[0]["rid"] for _ in range(2)] == [running, behind]
+    exit_with(rig.pool, second, -9)  # the first kills a second worker: poison; the other waited
     header, _ = rig.client_receives()
-    assert header["id"] == owner[held[first][1]] and header["error"]["code"] == protocol.POISON
-    assert not queue[0].alone and queue[0].deaths == 0  # the late one never ran beside it
+    assert header["id"] == owner[running] and header["error"]["code"] == protocol.POISON
+    assert [(r.rid, r.deaths) for r in queue] == [(behind, 0)]
+
+
+def test_requests_behind_a_probe_on_a_dead_worker_count_no_death(context):
+    rig = Harness(context, max_inflight=2, probe={"interval": 1.0, "timeout": 2.0},
+                  inputs=[{"name": "x", "dtype": "float32", "shape": [-1, 8]}])
+    worker = rig.handles[0]
+    worker.probe.due_at = rig.host.now
+    rig.router.send_due_probes(rig.pool, rig.pool.ready())
+    assert rig.worker_receives(worker)[0].get("probe")
+    rig.send()
+    run, _ = rig.worker_receives(worker)  # behind the probe
+    exit_with(rig.pool, worker, -9)  # the probe was running, not the request
+    queue = rig.router.services[rig.pool.name].queue
+    assert [(r.rid, r.deaths) for r in queue] == [(run["rid"], 0)]
 
 
 def test_a_probe_behind_a_request_on_its_worker_times_out_only_from_that_answer(context):

@@ -15,4 +15,4 @@ cdef class WorkerHandle:
     cdef public long pid, sentinel
     cdef public double started_at, last_seen, last_dispatch
     cdef public long long served, errors
-    cdef public bint stop_sent, authenticated, alone
+    cdef public bint stop_sent, authenticated

@@ -63,9 +63,6 @@ class WorkerHandle:
         self.promoted_at = None  # a standby promoted into a slot: when (monotonic)
         self.last_seen = last_seen
         self.inflight = {}  # rid -> Request (probes included)
-        # It holds a request that runs alone (routing/requests.py: one that was beside others
-        # on a worker that died): until that is answered it takes no other request.
-        self.alone = False
         self.served = 0
         self.errors = 0
         self.latencies_us = collections.deque(maxlen=LATENCY_WINDOW)

@@ -277,9 +277,7 @@ class Router:
         config = service.batching
         slots = pool.slots
         while queue:
-            # A head that runs alone waits for a worker holding nothing (it blocks the queue
-            # behind it only until one frees: it is rare, a retry after a death).
-            handle = least_loaded(slots, 1 if queue[0].alone else service.max_inflight)
+            handle = least_loaded(slots, service.max_inflight)
             if handle is None:
                 return
             if service.batch_enabled:
@@ -532,20 +530,28 @@ class Router:
         self.fail(request, TIMEOUT, f"no answer within the deadline (request was {where})")
 
     def recover(self, pool: "ModelPool", handle: WorkerHandle) -> None:
-        """The worker is gone or declared dead: retry what it held, or answer it."""
+        """The worker is gone or declared dead: retry what it held, or answer it.
+
+        A worker runs what it holds in the order it was sent, so only its first message can have
+        been running when it died: the first request and its batch mates (or nothing, if a probe
+        was first). Only they count the death (two make POISON) and, if they shared a batch, run
+        alone from now on, so a poison input dies alone. The requests queued behind them never
+        started: they go back to the front of the queue with nothing counted against them."""
         held = list(handle.inflight.values())
         handle.inflight.clear()
-        beside_others = sum(not isinstance(request, ProbeRequest) for request in held) > 1
+        running = _first_message(held)
         retry = []
-        for request in held:
+        for position, request in enumerate(held):
             if isinstance(request, ProbeRequest):
                 handle.probe.settle()
                 continue
             if request.done:
                 continue
-            # Beside others when the worker died (a batch, or max_inflight > 1): any of them may
-            # be what killed it, so each runs alone from now on and a poison input dies alone.
-            request.alone = request.alone or beside_others
+            if position >= running:
+                request.worker = None  # it never started: no death to count
+                retry.append(request)
+                continue
+            request.alone = request.alone or request.batch_size > 1
             verdict = after_worker_death(request, pool.config.retries)
             if verdict is None:
                 retry.append(request)
@@ -562,8 +568,8 @@ class Router:
     @staticmethod
     def _death_message(code: str, handle: WorkerHandle) -> str:
         if code == protocol.POISON:
-            return "the request was in flight on two workers that both died; not retrying it"
-        return f"worker {handle.worker_id} died holding the request (retries are off)"
+            return "the request was running on two workers that both died; not retrying it"
+        return f"worker {handle.worker_id} died running the request (retries are off)"
 
     def fail_queue(self, pool: "ModelPool", code: str, message: str) -> None:
         queue = self.service_of(pool).queue
@@ -597,12 +603,19 @@ def _batch_members(envelope: dict, count: int) -> list | None:
     return members if total == count else None
 
 
+def _first_message(held: list) -> int:
+    """How many of ``held`` (a dead worker's inflight, in the order sent) were its first message:
+    0 when that was a probe, else the first request's batch size (a batch's members are sent
+    together and held side by side)."""
+    if not held or isinstance(held[0], ProbeRequest):
+        return 0
+    return held[0].batch_size
+
+
 def _mark_sent(handle: WorkerHandle, request: Request, batch_size: int, now: float) -> None:
     request.worker = handle
     request.batch_size = batch_size
     request.dispatched_ns = now_ns()
-    if not handle.inflight:  # what the worker holds runs alone when its first request does
-        handle.alone = request.alone
     handle.inflight[request.rid] = request
     handle.last_dispatch = now
 

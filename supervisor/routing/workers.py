@@ -18,10 +18,9 @@ _FATAL = SlotState.FATAL
 
 
 def least_loaded(slots, limit):
-    """The READY worker with room (fewer than ``limit`` in flight, and none if what it holds
-    runs alone) and the fewest requests in flight; workers failing probes (or being replaced)
-    only when nobody else has room; ties go to the *most* recently used: its model is still in
-    the CPU caches. (Least recently used alternated the workers at low load, so each forward
+    """The READY worker with room (fewer than ``limit`` in flight) and the fewest requests in
+    flight; workers failing probes (or being replaced) only when nobody else has room; ties go to
+    the *most* recently used: its model is still in the CPU caches. (Least recently used alternated the workers at low load, so each forward
     found its weights evicted by the other worker's: a 13 MB model's forward measured 3x slower
     that way on a 2-core machine.) None when no worker has room."""
     best = None
@@ -50,9 +49,8 @@ def least_loaded(slots, limit):
 
 
 def has_room(handle, limit):
-    """READY, with fewer than ``limit`` requests in flight and none that runs alone."""
-    load = len(handle.inflight)
-    return handle.state is _READY and load < limit and not (load and handle.alone)
+    """READY, with fewer than ``limit`` requests in flight."""
+    return handle.state is _READY and len(handle.inflight) < limit
 
 
 def serves_nothing(slots):
