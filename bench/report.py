@@ -762,7 +762,10 @@ def ceiling_section(data: dict | None) -> list[str]:
         "on (16, no delay), and in the same round a C `zmq.proxy` broker's CPU per 1 KiB "
         "request at 8 in flight (ROUTER -> DEALER, REQ clients, REP echoes), over "
         f"{len(data['rounds'])} rounds in turns"
-        + (f", each round measuring commit `{data.get('commits', {}).get('against', '?')}` "
+        + (", each round measuring a copy of this checkout without its compiled modules (the "
+           "daemon and its workers on the uncompiled path) right after this checkout"
+           if data.get("against_uncompiled") else
+           f", each round measuring commit `{data.get('commits', {}).get('against', '?')}` "
            "(the commit before a change, compiled in place) right after this checkout"
            if "against" in trees else "")
         + ". A round's ratio is to its own floor; the medians are stated. Requests/s is what one "
@@ -773,12 +776,15 @@ def ceiling_section(data: dict | None) -> list[str]:
     for name in trees:
         for config in ("off", "on"):
             row = summary[f"{name} {config}"]
-            who = "this checkout" if name == "this" else "the checkout before the change"
+            who = ("this checkout" if name == "this" else "the uncompiled path"
+                   if data.get("against_uncompiled") else "the checkout before the change")
             rows.append([f"{who}, batching {config}", ", ".join(f"{v:g}" for v in row["cpu_us"]),
                          f"{row['median_us']:g}", ", ".join(f"{v:.2f}" for v in row["ratios"]),
-                         f"{row['median_ratio']:.2f}", f"{row['requests_per_s']:,}"])
+                         f"{row['median_ratio']:.2f}", f"{row['requests_per_s']:,}",
+                         f"{row['median_served']:,.0f}"])
     out += table(["supervisor", "µs per request, by round", "median µs", "x the floor, by round",
-                  "median x", "requests/s one core routes"], rows) + [""]
+                  "median x", "requests/s one core routes", "requests/s served (median)"],
+                 rows) + [""]
     floors = ", ".join(f"{row['floor']:g}" for row in data["rounds"])
     out += [f"The floor, by round: {floors} µs per request (median {summary['floor_us']:g}).", ""]
     out += table(["target", "bound", "measured", ""],

@@ -60,14 +60,43 @@ def test_the_ceiling_takes_each_rounds_ratio_to_its_own_floor_and_the_medians():
     rows = [{"round": 1, "this off": 60.0, "this on": 20.0, "floor": 20.0},
             {"round": 2, "this off": 90.0, "this on": 45.0, "floor": 40.0},
             {"round": 3, "this off": 66.0, "this on": 24.0, "floor": 30.0}]
+    for row, served in zip(rows, (1000, 3000, 2000)):
+        row["this off served"] = row["this on served"] = served
     summary = ceiling.summarise(rows, {"this": ROOT})
     off, on = summary["this off"], summary["this on"]
     assert off["ratios"] == [3.0, 2.25, 2.2] and off["median_ratio"] == 2.25
     assert off["median_us"] == 66.0 and off["requests_per_s"] == round(1e6 / 66.0)
     assert on["median_ratio"] == 1.0 and summary["floor_us"] == 30.0
-    verdicts = {line["target"]: line["met"] for line in ceiling.targets(summary, against=False)}
+    assert on["median_served"] == 2000
+    verdicts = {line["target"]: line["met"] for line in ceiling.targets(summary, rows, against=False)}
     assert [met for target, met in verdicts.items() if "batching off" in target] == [True, False]
     assert [met for target, met in verdicts.items() if "batching on" in target] == [True, False]
+
+
+def test_the_ceiling_states_requests_served_against_the_other_build_round_by_round():
+    """With --against, the served ratio is the median of each round's own ratio (a slow round
+    slows both builds), and batching on must serve 1.5x the other build's (issue 24)."""
+    from bench import ceiling
+
+    rows = []
+    for number, (this, other) in enumerate(((1600, 1000), (3200, 2000), (900, 1000)), 1):
+        row = {"round": number, "floor": 20.0}
+        for name, served in (("this", this), ("against", other)):
+            for config in ("off", "on"):
+                row[f"{name} {config}"], row[f"{name} {config} served"] = 30.0, served
+        rows.append(row)
+    summary = ceiling.summarise(rows, {"this": ROOT, "against": ROOT})
+    served = {line["target"]: line for line in ceiling.targets(summary, rows, against=True)
+              if "requests/s served" in line["target"]}
+    on = next(line for target, line in served.items() if "batching on" in target)
+    off = next(line for target, line in served.items() if "batching off" in target)
+    assert on["value"] == 1.6 and on["met"] is True and on["bound"] == 1.5
+    assert off["value"] == 1.6 and off["met"] is None  # stated, not a target
+    rows[1]["this on served"] = 2000  # 1.0 in that round: the median falls to 1.0
+    summary = ceiling.summarise(rows, {"this": ROOT, "against": ROOT})
+    on = next(line for line in ceiling.targets(summary, rows, against=True)
+              if "requests/s served" in line["target"] and "batching on" in line["target"])
+    assert on["value"] == 1.0 and on["met"] is False
 
 
 @pytest.mark.slow
@@ -80,6 +109,7 @@ def test_a_quick_ceiling_round_measures_the_supervisor_and_the_floor(tmp_path):
     result = json.loads(out.read_text())
     (row,) = result["rounds"]
     assert row["this off"] > 0 and row["this on"] > 0 and row["floor"] > 0
+    assert row["this off served"] > 0 and row["this on served"] > 0
     assert result["summary"]["this off"]["ratios"] == [round(row["this off"] / row["floor"], 3)]
     assert len(result["targets"]) == 4
     assert "supervisor CPU / C proxy CPU at 8 in flight, batching off" in done.stdout
