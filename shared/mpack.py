@@ -351,19 +351,24 @@ def pack_uint(value):
     return bytes(out[:put_uint(out, 0, value)])
 
 
-def pack_after(prefix, value):
-    """``prefix + pack_uint(value)`` as one new bytes object (a map's packed keys, then its last
-    value: the supervisor's run message). Compiled, written straight into it."""
+def pack_two_after(prefix, first, key, second):
+    """``prefix + pack_uint(first) + key + pack_uint(second)`` as one new bytes object (a map's
+    packed keys with two unsigned values: the supervisor's run message, its deadline then its
+    rid). Compiled, written straight into it."""
     if not COMPILED:
-        return prefix + pack_uint(value)
-    if not 0 <= value <= 0xFFFFFFFFFFFFFFFF:
+        return prefix + pack_uint(first) + key + pack_uint(second)
+    if not (0 <= first <= 0xFFFFFFFFFFFFFFFF and 0 <= second <= 0xFFFFFFFFFFFFFFFF):
         raise OverflowError("Integer value out of range")
     size = PyBytes_GET_SIZE(prefix)
-    end = put_uint(buf, 0, value)
-    out = PyBytes_FromStringAndSize(cython.NULL, size + end)
+    middle = PyBytes_GET_SIZE(key)
+    first_end = put_uint(buf, 0, first)
+    end = put_uint(buf, first_end, second)
+    out = PyBytes_FromStringAndSize(cython.NULL, size + middle + end)
     data = PyBytes_AS_STRING(out)
     memcpy(data, PyBytes_AS_STRING(prefix), size)
-    memcpy(data + size, buf, end)
+    memcpy(data + size, buf, first_end)
+    memcpy(data + size + first_end, PyBytes_AS_STRING(key), middle)
+    memcpy(data + size + first_end + middle, buf + first_end, end - first_end)
     return out
 
 

@@ -231,6 +231,30 @@ def test_deadlines_and_overloaded_hold_under_batching(tmp_path):
         assert daemon.status()["daemon"]["pending"] == 0
 
 
+def test_a_batch_member_whose_deadline_passes_behind_another_on_its_worker_is_not_run(tmp_path):
+    # Both wait in the queue behind the gated request (max_inflight 1); a reload raises
+    # max_inflight to 3 and they go to the busy worker as one batch behind it, where the first
+    # one's deadline passes. It holds MARKER: run, the model would raise and the worker log it.
+    model = pair_model(tmp_path, max_inflight=1)
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint) as client:
+            with Gate(daemon, client, tmp_path) as gate:
+                expiring = client.submit("pair", inputs(1, 1, fill=MARKER), timeout=4.0)
+                (kept,) = submit_all(client, [inputs(1, 2)])
+                gate.queue(2)
+                helpers.rewrite_config(daemon, [{**model, "max_inflight": 3}])
+                assert daemon.command("reload")["changes"] == ["pair: applied in place: max_inflight"]
+                helpers.poll_until(lambda: daemon.workers("pair")[0]["inflight"] == 3, WAIT,
+                                   message="the batch of two behind the gated request")
+                with pytest.raises(Timeout):
+                    expiring.result(WAIT)
+            reply = kept.result(WAIT)
+        assert_same(reply, inputs(1, 2), "tuple")
+        assert reply.timing["batch"] == 1  # its mate was answered before the forward, unrun
+        assert "model raised ValueError" not in daemon.log()
+
+
 def test_batching_off_is_one_request_per_forward(tmp_path):
     # max_inflight 1, as batching's default: the three wait in the queue behind the gate
     with Daemon([pair_model(tmp_path, batching={"max_size": 1}, max_inflight=1)]) as daemon:

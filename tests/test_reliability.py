@@ -9,9 +9,9 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from modelwarden.shared import protocol
-from modelwarden.client.client import BadInput, Client, Overloaded, Timeout
-from tests.faulty import reference
-from tests.helpers import Daemon, alive, faulty_model, poll_until, probe_files, raw_request
+from modelwarden.client.client import BadInput, Client, ModelError, Overloaded, Timeout
+from tests.faulty import GATE, MARKER, reference
+from tests.helpers import Daemon, Gate, alive, faulty_model, poll_until, probe_files, raw_request
 from tests.load import CapacitySampler, run_load
 
 
@@ -38,6 +38,36 @@ def test_a_request_past_its_deadline_gets_timeout(daemon):
         # the worker finishes the late request and serves the next one normally
         assert torch.equal(client.infer("slow", torch.ones(4), timeout=10), torch.ones(4))
 
+
+def test_a_request_whose_deadline_passes_behind_another_on_its_worker_is_not_run(tmp_path):
+    # One worker holding two (max_inflight 2): the gated request runs, the one behind it waits on
+    # the worker itself, and its deadline passes there. Both hold MARKER, which makes the model
+    # raise and the worker log it: the log tells which inputs the model ran.
+    gate = tmp_path / "gate"
+    model = {"name": "pair", "source": "python:tests.faulty:make_pair",
+             "kwargs": {"gate": str(gate)}, "workers": 1, "cores_per_worker": 1, "threads": 1,
+             "warmup": 0, "max_inflight": 2,
+             "inputs": [{"name": "a", "dtype": "float32", "shape": [-1, 8]},
+                        {"name": "b", "dtype": "float32", "shape": [-1, -1]}]}
+
+    def pair(*fills):
+        a = torch.zeros(1, 8)
+        a[0, :len(fills)] = torch.tensor(fills)
+        return a, torch.zeros(1, 3)
+
+    with Daemon([model]) as daemon:
+        daemon.wait_ready()
+        with Client(daemon.endpoint) as client:
+            with Gate(daemon, client, "pair", pair(GATE), gate, 60):
+                expired = client.submit("pair", pair(MARKER), timeout=0.3)
+                poll_until(lambda: daemon.workers("pair")[0]["inflight"] == 2, 30,
+                           message="the second request on the busy worker")
+                with pytest.raises(Timeout):
+                    expired.result(30)
+            with pytest.raises(ModelError):  # run: the worker got to it after the expired one
+                client.infer("pair", pair(MARKER), timeout=30)
+        log = daemon.log()
+    assert log.count("model raised ValueError") == 1, log[-3000:]
 
 def test_a_full_queue_answers_overloaded_at_once_and_loses_nothing(daemon):
     answered: list[int] = []  # futures in the order their answers arrived

@@ -176,6 +176,21 @@ def test_pack_uint_refuses_what_is_not_a_uint64(value):
         mpack.pack_uint(value)
 
 
+def test_pack_two_after_writes_the_map_msgpack_would():
+    prefix = b"\x83" + msgpack.packb("type") + msgpack.packb("run") + msgpack.packb("until")
+    key = msgpack.packb("rid")
+    for first in (0, 127, 128, 65536, 2**32, 2**64 - 1):
+        for second in (1, 255, 2**33, 2**64 - 1):
+            packed = mpack.pack_two_after(prefix, first, key, second)
+            assert packed == msgpack.packb({"type": "run", "until": first, "rid": second})
+
+
+@pytest.mark.parametrize("first, second", [(-1, 0), (0, -1), (2**64, 0), (0, 2**64)])
+def test_pack_two_after_refuses_what_is_not_a_uint64(first, second):
+    with pytest.raises(OverflowError):
+        mpack.pack_two_after(b"\x83", first, b"", second)
+
+
 def test_subclasses_of_str_int_and_dict_are_written_as_their_base():
     import enum
 

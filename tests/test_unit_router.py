@@ -243,6 +243,37 @@ def test_a_lone_request_on_an_idle_pool_is_never_held(context):
     assert run["type"] == protocol.RUN
 
 
+def test_a_run_and_a_batch_carry_each_requests_deadline_in_microseconds(context):
+    rig = Harness(context, workers=1, max_inflight=1, batching={"max_size": 8})
+    worker = rig.handles[0]
+    start = rig.host.now
+    rig.send(timeout_ms=1500)
+    run, _ = rig.worker_receives(worker)
+    assert run["type"] == protocol.RUN and run["until"] == int((start + 1.5) * 1_000_000)
+    rig.send(timeout_ms=2000)  # queued behind the first: the two below join it in a batch
+    rig.send(timeout_ms=3000)
+    rig.answer(worker, run["rid"], None)
+    batch, _ = rig.worker_receives(worker)
+    assert batch["type"] == protocol.BATCH
+    assert batch["until"] == [int((start + 2.0) * 1_000_000), int((start + 3.0) * 1_000_000)]
+
+
+def test_a_timeout_from_a_worker_is_answered_as_the_daemons_own_timeout(context):
+    rig = Harness(context)
+    worker = rig.handles[0]
+    client_id = rig.send(timeout_ms=1000)
+    run, _ = rig.worker_receives(worker)
+    reply = {**protocol.error_header(client_id, protocol.TIMEOUT, "past"), "worker": worker.worker_id}
+    rig.router.on_result(rig.pool, worker, {"type": protocol.RESULT, "rid": run["rid"], "ok": False,
+                                            "code": protocol.TIMEOUT}, [protocol.pack(reply)])
+    header, _ = rig.client_receives()
+    assert header["id"] == client_id and header["error"]["code"] == protocol.TIMEOUT
+    assert "worker" not in header and worker.worker_id in header["error"]["message"]
+    assert worker.errors == 0 and not rig.router.pending
+    rig.host.advance(1.5)  # its deadline timer finds it answered: nothing more is sent
+    assert rig.client_idle()
+
+
 def test_a_deadline_answers_timeout_once_and_a_late_result_is_dropped(context):
     rig = Harness(context)
     worker = rig.handles[0]

@@ -29,7 +29,8 @@ from modelwarden.handler import BadInput
 from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite, decode_elements,
                                       encode_leaves, from_bytes, reply_placement)
 from modelwarden.shared.config import WorkerSpec
-from modelwarden.shared.protocol import BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, ProtocolError
+from modelwarden.shared.protocol import (BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, TIMEOUT,
+                                         ProtocolError)
 from modelwarden.shared.shm import ALIGN, Segment
 from modelwarden.shared.link import Link
 from modelwarden.shared.sockets import Poller
@@ -39,6 +40,7 @@ from modelwarden.worker.pipeline import Member, Outputs, Pipeline
 from modelwarden.worker.segments import SegmentMaps
 
 logger = logging.getLogger(__name__)
+EXPIRED = "the deadline passed while the request waited on the worker; it was not run"
 MAX_MESSAGE_CHARS = 2000
 
 
@@ -159,7 +161,8 @@ class WorkerServer:
             return None
         kind = header.get("type")
         if kind == protocol.RUN:
-            self._run_alone(header.get("rid"), bool(header.get("probe")), frames[1:])
+            self._run_alone(header.get("rid"), bool(header.get("probe")), header.get("until"),
+                            frames[1:])
         elif kind == protocol.BATCH:
             self._run_batch(header, frames[1:])
         elif kind == protocol.FORGET:
@@ -179,10 +182,20 @@ class WorkerServer:
 
     # -- one request ------------------------------------------------------------------------
 
-    def _run_alone(self, rid: Any, probe: bool, frames: list) -> None:
+    def _run_alone(self, rid: Any, probe: bool, until: Any, frames: list) -> None:
         call = self._probe_call(rid) if probe else self._prepare(rid, frames)
-        if call is not None:
+        if call is None:
+            return
+        if _expired(until, _now_us()):
+            self._answer_expired(call)
+        else:
             self._run_call(call)
+
+    def _answer_expired(self, call: "Call") -> None:
+        """A request whose deadline passed while it waited behind another on this worker is
+        answered TIMEOUT unrun: its client has its TIMEOUT from the supervisor already (or within
+        microseconds), and a forward nobody waits for would only delay the next request."""
+        self._answer_failure(call.rid, call.client_id, ProtocolError(TIMEOUT, EXPIRED))
 
     def _run_call(self, call: "Call") -> None:
         """Forward one request and answer it, whatever happens."""
@@ -265,7 +278,16 @@ class WorkerServer:
         if members is None:
             logger.error("dropping a malformed batch message from the supervisor")
             return
-        calls = [call for call in (self._prepare(rid, part) for rid, part in members) if call]
+        now = _now_us()
+        calls = []
+        for rid, until, part in members:
+            call = self._prepare(rid, part)
+            if call is None:
+                continue
+            if _expired(until, now):
+                self._answer_expired(call)
+            else:
+                calls.append(call)
         if len(calls) <= 1:
             for call in calls:
                 self._run_call(call)
@@ -427,14 +449,28 @@ def new_call(rid: Any, client_id: Any, member: Member, sources: list, out: Any) 
     return tuple.__new__(Call, (rid, client_id, member, sources, out))
 
 
-def _split_members(envelope: dict, frames: list) -> list[tuple[Any, list]] | None:
-    """[(rid, [header, payload...]), ...] from a batch message, or None if it does not add up."""
-    rids, counts = envelope.get("rids"), envelope.get("frames")
+def _split_members(envelope: dict, frames: list) -> list[tuple[Any, Any, list]] | None:
+    """[(rid, until, [header, payload...]), ...] from a batch message, or None if it does not add
+    up (``until``: each member's deadline, None where the message has none)."""
+    rids, counts, untils = envelope.get("rids"), envelope.get("frames"), envelope.get("until")
     if (not isinstance(rids, list) or not isinstance(counts, list) or len(rids) != len(counts)
             or not all(isinstance(n, int) and n >= 1 for n in counts) or sum(counts) != len(frames)):
         return None
+    if not (isinstance(untils, list) and len(untils) == len(rids)):
+        untils = [None] * len(rids)
     members, start = [], 0
-    for rid, count in zip(rids, counts):
-        members.append((rid, frames[start:start + count]))
+    for rid, until, count in zip(rids, untils, counts):
+        members.append((rid, until, frames[start:start + count]))
         start += count
     return members
+
+
+def _now_us() -> int:
+    """CLOCK_MONOTONIC in microseconds: the clock the supervisor wrote a request's ``until`` in."""
+    return time.monotonic_ns() // 1000
+
+
+def _expired(until: Any, now_us: int) -> bool:
+    """Whether a request's deadline (``until``, from the supervisor) is past; a message without
+    one, or with one that is not an int, never is."""
+    return type(until) is int and now_us > until

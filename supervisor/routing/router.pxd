@@ -4,7 +4,7 @@
 
 cimport cython
 
-from modelwarden.shared.mpack cimport pack_after
+from modelwarden.shared.mpack cimport pack_two_after
 from modelwarden.shared.protocol cimport (Envelope, InferCache, InferRequest, add_timing,
                                           frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets cimport send_parts
