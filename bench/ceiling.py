@@ -17,8 +17,9 @@ each number once. This measures them N times, in turns, and states the medians:
 * with ``--against``, the same two points for another checkout compiled in place (``git
   worktree add /tmp/base COMMIT``, then ``python setup.py build_ext --inplace`` there), in the
   same round, right after this checkout's: the commit before a change, side by side; or with
-  ``--against-uncompiled`` a copy of this checkout without its compiled modules (the daemon and
-  its workers on the uncompiled path; the load generator is this process either way).
+  ``--against-uncompiled`` a copy of this checkout without its compiled modules, whose points a
+  process of that copy measures: the daemon, its workers and the load generator's client all on
+  the uncompiled path. (With ``--against`` the load generator is this process's client.)
 
 Prints every round, then per build and batching setting the median CPU per request, the median
 of the rounds' ratios to the floor, and the requests/s one supervisor core routes at the median
@@ -33,7 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import shutil
+import subprocess
 import statistics
 import sys
 import tempfile
@@ -77,9 +80,39 @@ def supervisor_point(workdir: Path, tree: Path, batching: dict | None,
     return result["supervisor_cpu_us"], result["rps"]
 
 
+def point_in(workdir: Path, tree: Path, batching: dict | None,
+             timing: serving.Timing) -> tuple[float, float]:
+    """``supervisor_point`` for a copy of this checkout without its compiled modules, measured by
+    a process of that copy (``--point``): the load generator's client runs uncompiled too, as a
+    user of the uncompiled path would run it."""
+    request = {"workdir": str(workdir), "batching": batching,
+               "timing": [timing.warmup_s, timing.duration_s]}
+    done = subprocess.run([sys.executable, str(tree / "bench" / "ceiling.py"), "--point",
+                           json.dumps(request)], cwd=tree, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(tree)})
+    if done.returncode != 0:
+        raise RuntimeError(f"the uncompiled point failed:\n{done.stderr[-3000:]}")
+    answer = json.loads(done.stdout.splitlines()[-1])
+    if "uncompiled" not in answer["request_path"] or "compiled (" in answer["request_path"]:
+        raise RuntimeError(f"the copy's client did not run uncompiled: {answer['request_path']}")
+    return answer["cpu_us"], answer["served"]
+
+
+def point_here(argument: str) -> int:
+    """``--point JSON``: one point of this tree, measured in this process; one JSON line."""
+    from modelwarden import compiled
+
+    request = json.loads(argument)
+    cpu, served = supervisor_point(Path(request["workdir"]), ROOT, request["batching"],
+                                   serving.Timing(*request["timing"]))
+    print(json.dumps({"cpu_us": cpu, "served": served, "request_path": compiled.summary()}))
+    return 0
+
+
 def run_rounds(trees: dict[str, Path], rounds: int, timing: serving.Timing,
-               floor_requests: int) -> list[dict]:
-    """Each round: every tree's two points, then the floor."""
+               floor_requests: int, uncompiled: bool = False) -> list[dict]:
+    """Each round: every tree's two points, then the floor. ``uncompiled``: the other tree is
+    an uncompiled copy of this one, whose points its own process measures (``point_in``)."""
     spawn = multiprocessing.get_context("spawn")
     out = []
     for number in range(1, rounds + 1):
@@ -88,7 +121,8 @@ def run_rounds(trees: dict[str, Path], rounds: int, timing: serving.Timing,
             row = {"round": number}
             for name, tree in trees.items():
                 for config, batching in CONFIGS:
-                    row[f"{name} {config}"], row[f"{name} {config} served"] = supervisor_point(
+                    measure = point_in if uncompiled and name == "against" else supervisor_point
+                    row[f"{name} {config}"], row[f"{name} {config} served"] = measure(
                         workdir, tree, batching, timing)
             row["floor"] = bench_proxy_cpu(workdir, spawn, floor_requests)[FLOOR_IN_FLIGHT]["proxy_cpu_us"]
         finally:
@@ -160,6 +194,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="0.3 s + 1.2 s per point and a shorter floor (a smoke run)")
     parser.add_argument("--json", type=Path, help="write the rounds, medians and targets here")
+    parser.add_argument("--point", help=argparse.SUPPRESS)  # point_in's child: one point, JSON
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
@@ -168,6 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.point is not None:
+        return point_here(args.point)
     timing = serving.Timing(0.3, 1.2) if args.quick else serving.Timing(1.0, 4.0)
     trees = {"this": ROOT}
     scratch = None
@@ -182,7 +219,8 @@ def main(argv=None) -> int:
     started = time.monotonic()
     measured_on = machine()
     try:
-        rows = run_rounds(trees, args.rounds, timing, 2000 if args.quick else 20000)
+        rows = run_rounds(trees, args.rounds, timing, 2000 if args.quick else 20000,
+                          uncompiled=args.against_uncompiled)
     finally:
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)

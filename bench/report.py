@@ -763,7 +763,8 @@ def ceiling_section(data: dict | None) -> list[str]:
         "request at 8 in flight (ROUTER -> DEALER, REQ clients, REP echoes), over "
         f"{len(data['rounds'])} rounds in turns"
         + (", each round measuring a copy of this checkout without its compiled modules (the "
-           "daemon and its workers on the uncompiled path) right after this checkout"
+           "daemon, its workers and the load generator's client on the uncompiled path) right "
+           "after this checkout"
            if data.get("against_uncompiled") else
            f", each round measuring commit `{data.get('commits', {}).get('against', '?')}` "
            "(the commit before a change, compiled in place) right after this checkout"

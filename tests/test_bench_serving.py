@@ -103,13 +103,17 @@ def test_the_ceiling_states_requests_served_against_the_other_build_round_by_rou
 def test_a_quick_ceiling_round_measures_the_supervisor_and_the_floor(tmp_path):
     out = tmp_path / "ceiling.json"
     done = subprocess.run([sys.executable, "bench/ceiling.py", "--quick", "--rounds", "1",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                           "--against-uncompiled", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
     (row,) = result["rounds"]
     assert row["this off"] > 0 and row["this on"] > 0 and row["floor"] > 0
     assert row["this off served"] > 0 and row["this on served"] > 0
+    # the uncompiled copy, measured by a process of its own (which checks it ran uncompiled)
+    assert row["against off"] > 0 and row["against on served"] > 0
+    assert result["against_uncompiled"] is True
     assert result["summary"]["this off"]["ratios"] == [round(row["this off"] / row["floor"], 3)]
-    assert len(result["targets"]) == 4
+    assert len(result["targets"]) == 8
+    assert "W1@64 requests/s served, this build / the other, batching on" in done.stdout
     assert "supervisor CPU / C proxy CPU at 8 in flight, batching off" in done.stdout
