@@ -11,7 +11,8 @@ each number once. This measures them N times, in turns, and states the medians:
 * per round, W1 (MLP 64 -> 256 -> 10, [1, 64]) at 64 requests in flight to two workers, for
   4 s after a 1 s warm-up, batching off and on (max 16, no delay), each on a daemon started for
   it: the supervisor's CPU per request (user + system, every thread, /proc/PID/stat), as
-  bench/serving.py measures it, and the requests/s its clients were served;
+  bench/serving.py measures it, the requests/s its clients were served, and the CPU per request
+  of the load generator's process and of the workers (where the rest of the cores went);
 * in the same round, the floor: a C ``zmq.proxy`` broker's CPU per 1 KiB request at 8 in flight
   (ROUTER -> DEALER, REQ clients, REP echoes: bench/payloads.py's ``bench_proxy_cpu``);
 * with ``--against``, the same two points for another checkout compiled in place (``git
@@ -59,29 +60,35 @@ TARGETS = {"off": (2.5, 25_000), "on": (1.5, 50_000)}
 # Issue 24: W1 at 64 in flight, batching on, serves >= 1.5x the requests/s of the uncompiled path
 # (or of the checkout before the change)
 SERVED_OVER_BEFORE = {"on": 1.5}
+# A point's numbers besides the supervisor's CPU, each a row key "<tree> <config> <part>"
+POINT_PARTS = ("served", "client", "workers")
 
 
 def supervisor_point(workdir: Path, tree: Path, batching: dict | None,
-                     timing: serving.Timing) -> tuple[float, float]:
-    """(the supervisor's CPU per request, the requests/s the clients were served) of ``tree``
-    serving W1 at IN_FLIGHT, on a daemon started for this point alone."""
+                     timing: serving.Timing) -> dict:
+    """What ``tree`` serving W1 at IN_FLIGHT did, on a daemon started for this point alone:
+    ``cpu`` the supervisor's CPU per request (µs), ``served`` the requests/s the clients were
+    served, and the CPU per request of the ``client`` (this process: the load generator and
+    its client) and of the ``workers`` (both, together)."""
     workloads = serving.make_workloads(["W1"])
     text = serving.mw_config_text(workdir / "run", workloads, batching).replace(
         f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
     daemon, endpoint = serving.start_daemon(workdir, "ceiling", text, {"w1": workloads["W1"]},
                                             tree=tree)
     try:
-        result = serving.mw_point(endpoint, "w1", workloads["W1"], IN_FLIGHT, timing, daemon.pid)
+        result = serving.mw_point(endpoint, "w1", workloads["W1"], IN_FLIGHT, timing, daemon.pid,
+                                  split=True)
     finally:
         serving.stop_process(daemon)
         shutil.rmtree(workdir / "run", ignore_errors=True)
     if result["errors"] or "supervisor_cpu_us" not in result:
         raise RuntimeError(f"the W1 point of {tree} failed: {result}")
-    return result["supervisor_cpu_us"], result["rps"]
+    return {"cpu": result["supervisor_cpu_us"], "served": result["rps"],
+            "client": result["client_cpu_us"], "workers": result["workers_cpu_us"]}
 
 
 def point_in(workdir: Path, tree: Path, batching: dict | None,
-             timing: serving.Timing) -> tuple[float, float]:
+             timing: serving.Timing) -> dict:
     """``supervisor_point`` for a copy of this checkout without its compiled modules, measured by
     a process of that copy (``--point``): the load generator's client runs uncompiled too, as a
     user of the uncompiled path would run it."""
@@ -93,9 +100,10 @@ def point_in(workdir: Path, tree: Path, batching: dict | None,
     if done.returncode != 0:
         raise RuntimeError(f"the uncompiled point failed:\n{done.stderr[-3000:]}")
     answer = json.loads(done.stdout.splitlines()[-1])
-    if "uncompiled" not in answer["request_path"] or "compiled (" in answer["request_path"]:
-        raise RuntimeError(f"the copy's client did not run uncompiled: {answer['request_path']}")
-    return answer["cpu_us"], answer["served"]
+    path = answer.pop("request_path")
+    if "uncompiled" not in path or "compiled (" in path:
+        raise RuntimeError(f"the copy's client did not run uncompiled: {path}")
+    return answer
 
 
 def point_here(argument: str) -> int:
@@ -103,9 +111,9 @@ def point_here(argument: str) -> int:
     from modelwarden import compiled
 
     request = json.loads(argument)
-    cpu, served = supervisor_point(Path(request["workdir"]), ROOT, request["batching"],
-                                   serving.Timing(*request["timing"]))
-    print(json.dumps({"cpu_us": cpu, "served": served, "request_path": compiled.summary()}))
+    point = supervisor_point(Path(request["workdir"]), ROOT, request["batching"],
+                             serving.Timing(*request["timing"]))
+    print(json.dumps({**point, "request_path": compiled.summary()}))
     return 0
 
 
@@ -122,8 +130,10 @@ def run_rounds(trees: dict[str, Path], rounds: int, timing: serving.Timing,
             for name, tree in trees.items():
                 for config, batching in CONFIGS:
                     measure = point_in if uncompiled and name == "against" else supervisor_point
-                    row[f"{name} {config}"], row[f"{name} {config} served"] = measure(
-                        workdir, tree, batching, timing)
+                    point = measure(workdir, tree, batching, timing)
+                    row[f"{name} {config}"] = point["cpu"]
+                    for part in POINT_PARTS:
+                        row[f"{name} {config} {part}"] = point[part]
             row["floor"] = bench_proxy_cpu(workdir, spawn, floor_requests)[FLOOR_IN_FLIGHT]["proxy_cpu_us"]
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -148,7 +158,10 @@ def summarise(rows: list[dict], trees: dict[str, Path]) -> dict:
                             "median_ratio": round(statistics.median(ratios), 3),
                             "requests_per_s": round(1e6 / statistics.median(cpu)),
                             "served": [row[f"{key} served"] for row in rows],
-                            "median_served": statistics.median(row[f"{key} served"] for row in rows)}
+                            "median_served": statistics.median(row[f"{key} served"] for row in rows),
+                            # where the rest of the 2 cores went, per request (µs)
+                            "median_client_us": statistics.median(row[f"{key} client"] for row in rows),
+                            "median_workers_us": statistics.median(row[f"{key} workers"] for row in rows)}
     return summary
 
 
@@ -233,7 +246,8 @@ def main(argv=None) -> int:
             print(f"{name} ({tree}), batching {config}: median {row['median_us']} us per request, "
                   f"{row['median_ratio']}x the floor (rounds: {row['ratios']}); one core routes "
                   f"about {row['requests_per_s']:,} requests/s; served {row['median_served']:,} "
-                  f"requests/s (rounds: {row['served']})")
+                  f"requests/s (rounds: {row['served']}); CPU per request elsewhere: client "
+                  f"{row['median_client_us']} us, workers {row['median_workers_us']} us")
     for line in report:
         verdict = "----" if line["met"] is None else ("MET " if line["met"] else "MISS")
         bound = f" (target {line['op']} {line['bound']:,})" if line["bound"] is not None else ""

@@ -782,10 +782,11 @@ def ceiling_section(data: dict | None) -> list[str]:
             rows.append([f"{who}, batching {config}", ", ".join(f"{v:g}" for v in row["cpu_us"]),
                          f"{row['median_us']:g}", ", ".join(f"{v:.2f}" for v in row["ratios"]),
                          f"{row['median_ratio']:.2f}", f"{row['requests_per_s']:,}",
-                         f"{row['median_served']:,.0f}"])
+                         f"{row['median_served']:,.0f}",
+                         f"{row['median_client_us']:g} / {row['median_workers_us']:g}"])
     out += table(["supervisor", "µs per request, by round", "median µs", "x the floor, by round",
-                  "median x", "requests/s one core routes", "requests/s served (median)"],
-                 rows) + [""]
+                  "median x", "requests/s one core routes", "requests/s served (median)",
+                  "client / workers µs per request (median)"], rows) + [""]
     floors = ", ".join(f"{row['floor']:g}" for row in data["rounds"])
     out += [f"The floor, by round: {floors} µs per request (median {summary['floor_us']:g}).", ""]
     out += table(["target", "bound", "measured", ""],

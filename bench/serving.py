@@ -366,11 +366,33 @@ def bench_modelwarden(workdir: Path, workloads: dict[str, Workload], levels: lis
     return rows
 
 
+def split_cpu(supervisor: int) -> tuple[float, float]:
+    """(this process's CPU seconds so far, every thread; the sum of the supervisor's children's:
+    its workers, and spawn's resource tracker, which idles)."""
+    times = os.times()
+    children = set()
+    for task in Path(f"/proc/{supervisor}/task").iterdir():
+        try:
+            children.update((task / "children").read_text().split())
+        except OSError:
+            continue
+    workers = 0.0
+    for pid in children:
+        try:
+            workers += sum(cpu_times(int(pid)))
+        except OSError:  # it exited between the listing and the read
+            continue
+    return times.user + times.system, workers
+
+
 def mw_point(endpoint: str, model: str, workload: Workload, concurrency: int, timing: Timing,
-             supervisor: int) -> dict:
+             supervisor: int, split: bool = False) -> dict:
+    """One point against a running daemon. ``split``: also the CPU per request of this process
+    (the load generator and its client) and of the supervisor's children (the workers)."""
     from modelwarden import AsyncClient, Client
 
-    window = Window(timing.warmup_s, timing.duration_s, lambda: cpu_times(supervisor))
+    window = Window(timing.warmup_s, timing.duration_s,
+                    lambda: (cpu_times(supervisor), split_cpu(supervisor) if split else None))
 
     def check(index, output):
         return matches(workload, index, output)
@@ -388,8 +410,11 @@ def mw_point(endpoint: str, model: str, workload: Workload, concurrency: int, ti
         result = asyncio.run(load())
     answered = result["ok"] + result["errors"]
     if len(window.probes) == 2 and answered:
-        (user0, system0), (user1, system1) = window.probes
+        ((user0, system0), split0), ((user1, system1), split1) = window.probes
         result["supervisor_cpu_us"] = round((user1 + system1 - user0 - system0) / answered * 1e6, 1)
+        if split:
+            result["client_cpu_us"] = round((split1[0] - split0[0]) / answered * 1e6, 1)
+            result["workers_cpu_us"] = round((split1[1] - split0[1]) / answered * 1e6, 1)
         # The kernel's share: system calls (libzmq's I/O thread and mailboxes, the loop's poll),
         # which bench/instructions.py's callgrind counts do not see.
         result["supervisor_sys_us"] = round((system1 - system0) / answered * 1e6, 1)

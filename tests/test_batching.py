@@ -240,7 +240,7 @@ def test_a_batch_member_whose_deadline_passes_behind_another_on_its_worker_is_no
         daemon.wait_ready()
         with Client(daemon.endpoint) as client:
             with Gate(daemon, client, tmp_path) as gate:
-                expiring = client.submit("pair", inputs(1, 1, fill=MARKER), timeout=4.0)
+                expiring = client.submit("pair", inputs(1, 1, fill=MARKER), timeout=6.0)
                 (kept,) = submit_all(client, [inputs(1, 2)])
                 gate.queue(2)
                 helpers.rewrite_config(daemon, [{**model, "max_inflight": 3}])

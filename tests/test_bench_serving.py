@@ -61,13 +61,16 @@ def test_the_ceiling_takes_each_rounds_ratio_to_its_own_floor_and_the_medians():
             {"round": 2, "this off": 90.0, "this on": 45.0, "floor": 40.0},
             {"round": 3, "this off": 66.0, "this on": 24.0, "floor": 30.0}]
     for row, served in zip(rows, (1000, 3000, 2000)):
-        row["this off served"] = row["this on served"] = served
+        for config in ("off", "on"):
+            row[f"this {config} served"] = served
+            row[f"this {config} client"], row[f"this {config} workers"] = served / 100, 5.0
     summary = ceiling.summarise(rows, {"this": ROOT})
     off, on = summary["this off"], summary["this on"]
     assert off["ratios"] == [3.0, 2.25, 2.2] and off["median_ratio"] == 2.25
     assert off["median_us"] == 66.0 and off["requests_per_s"] == round(1e6 / 66.0)
     assert on["median_ratio"] == 1.0 and summary["floor_us"] == 30.0
-    assert on["median_served"] == 2000
+    assert on["median_served"] == 2000 and on["median_client_us"] == 20.0
+    assert on["median_workers_us"] == 5.0
     verdicts = {line["target"]: line["met"] for line in ceiling.targets(summary, rows, against=False)}
     assert [met for target, met in verdicts.items() if "batching off" in target] == [True, False]
     assert [met for target, met in verdicts.items() if "batching on" in target] == [True, False]
@@ -84,6 +87,7 @@ def test_the_ceiling_states_requests_served_against_the_other_build_round_by_rou
         for name, served in (("this", this), ("against", other)):
             for config in ("off", "on"):
                 row[f"{name} {config}"], row[f"{name} {config} served"] = 30.0, served
+                row[f"{name} {config} client"] = row[f"{name} {config} workers"] = 10.0
         rows.append(row)
     summary = ceiling.summarise(rows, {"this": ROOT, "against": ROOT})
     served = {line["target"]: line for line in ceiling.targets(summary, rows, against=True)
@@ -112,6 +116,8 @@ def test_a_quick_ceiling_round_measures_the_supervisor_and_the_floor(tmp_path):
     assert row["this off served"] > 0 and row["this on served"] > 0
     # the uncompiled copy, measured by a process of its own (which checks it ran uncompiled)
     assert row["against off"] > 0 and row["against on served"] > 0
+    assert all(row[f"{name} {config} {part}"] > 0 for name in ("this", "against")
+               for config in ("off", "on") for part in ("client", "workers"))
     assert result["against_uncompiled"] is True
     assert result["summary"]["this off"]["ratios"] == [round(row["this off"] / row["floor"], 3)]
     assert len(result["targets"]) == 8
