@@ -97,8 +97,9 @@ class Harness:
         return self.host.launched
 
     def send(self, rows: int = 1, timeout_ms: int | None = None, width: int = 8,
-             identity: str = "-") -> int:
-        """A client request, as the arbiter hands it to the router; returns its client id."""
+             identity: str = "-", round_ends: bool = True) -> int:
+        """A client request, as the arbiter hands it to the router; returns its client id.
+        ``round_ends``: the loop's poll round ends after it (``dispatch_wanted``)."""
         client_id = next(self._ids)
         header = {"type": "infer", "id": client_id, "model": self.pool.name, "inputs": 0,
                   "tensors": [{"dtype": "float32", "shape": [rows, width], "frame": 0}]}
@@ -110,7 +111,8 @@ class Harness:
         envelope = protocol.split_router_message(frames)
         self.router.accept_infer(self.host.frontend, (0, frames[0].bytes), envelope,
                                  protocol.unpack_header(envelope.header.buffer), identity)
-        self.router.dispatch_wanted()
+        if round_ends:
+            self.router.dispatch_wanted()
         self.sent[client_id] = [protocol.pack(header), payload]
         return client_id
 
@@ -241,6 +243,17 @@ def test_a_lone_request_on_an_idle_pool_is_never_held(context):
     rig.send()
     run, _ = rig.worker_receives(rig.handles[0])
     assert run["type"] == protocol.RUN
+
+
+def test_requests_arriving_in_one_round_go_to_a_free_worker_as_one_batch(context):
+    rig = Harness(context, workers=2, batching={"max_size": 8})
+    first, second = rig.handles
+    rig.send(round_ends=False)
+    rig.send(round_ends=False)  # both workers free: one by one, each would go alone
+    assert rig.worker_idle(first) and rig.worker_idle(second)  # not before the round ends
+    rig.router.dispatch_wanted()
+    sent = [rig.worker_receives(handle)[0] for handle in rig.handles if not rig.worker_idle(handle)]
+    assert [(m["type"], len(m["rids"])) for m in sent] == [(protocol.BATCH, 2)]
 
 
 def test_a_run_and_a_batch_carry_each_requests_deadline_in_microseconds(context):

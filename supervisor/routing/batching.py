@@ -2,8 +2,10 @@
 
 The rule (Triton's ``max_queue_delay = 0`` default, and "a lone request never waits"):
 
-- While a worker of the model has room, a request that finds the queue empty is sent alone at
-  once: batching never adds latency to an idle pool.
+- While a worker of the model has room, requests go at the end of the supervisor's poll round
+  they arrived in: a lone one alone, those that arrived together (clients answered together
+  send again together) as one batch. The round ends once its handlers have run, so batching
+  never adds more than that to an idle pool's latency.
 - When a worker frees up and requests are queued, it takes the head of the queue and every
   queued request *compatible* with it, in arrival order, up to ``max_size`` requests and
   ``max_rows`` summed rows along the batch dimension.

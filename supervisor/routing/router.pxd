@@ -55,6 +55,7 @@ cdef class Router:
                    request=Request)
     cpdef dispatch(self, object pool)
     cdef _probe_if_due(self, ModelService service, WorkerHandle handle, double now)
+    cdef _want(self, ModelService service, object pool)
     cpdef bint _pass_buffers(self, WorkerHandle handle, Request request) except -1
     @cython.locals(parts=list)
     cpdef _send(self, WorkerHandle handle, Request request, double now)

@@ -197,11 +197,16 @@ class Router:
         self.pending[request.rid] = request
         self.deadlines.add(request, timeout)
         queue.append(request)
-        # At once: a lone request on a pool with a free worker never waits. Behind others it
-        # waits its turn: dispatch left them queued because no worker had room, and whatever
-        # frees one dispatches (a result at the end of its round, a worker READY, a death, the
-        # tick). A batch is another matter: this request may be the one that fills it.
-        if not waiting or service.batch_enabled:
+        # Batching: at the end of this poll round, once every request that arrived with this one
+        # is queued beside it (clients answered together send again together: dispatched one by
+        # one, the first would find the worker that just freed and go to it alone). The round
+        # ends as soon as its handlers have run, so a lone request on an idle pool still goes
+        # at once. Without batching: at once, if the queue was empty; behind others it waits its
+        # turn, since dispatch left them queued because no worker had room, and whatever frees
+        # one dispatches (a result at the end of its round, a worker READY, a death, the tick).
+        if service.batch_enabled:
+            self._want(service, pool)
+        elif not waiting:
             self.dispatch(pool)
 
     def _refuse(self, socket, envelope, request_id, pool, exc: ProtocolError) -> None:
@@ -255,9 +260,10 @@ class Router:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch_wanted(self) -> None:
-        """Dispatch every pool whose workers freed up since the last call (the loop calls it
-        once per poll round: results that arrive together free their workers before any of
-        them takes the next batch, so the batch is as full as the queue allows)."""
+        """Dispatch every pool whose workers freed up, or that batches and took requests, since
+        the last call (the loop calls it once per poll round: results that arrive together free
+        their workers, and requests that arrive together join the queue, before any worker
+        takes the next batch, so the batch is as full as the queue allows)."""
         if not self._wanted:
             return
         wanted, self._wanted = self._wanted, []
@@ -415,6 +421,10 @@ class Router:
                 handle.probe.answered_ahead(now)  # a probe behind it may start now
             if handle.state is _READY:
                 self._probe_if_due(service, handle, now)
+        self._want(service, pool)
+
+    def _want(self, service: ModelService, pool: "ModelPool") -> None:
+        """Dispatch ``pool`` at the end of this poll round (``dispatch_wanted``), once."""
         if service.wanted is None:
             self._wanted.append(service)
         service.wanted = pool
