@@ -42,11 +42,12 @@ def test_a_request_past_its_deadline_gets_timeout(daemon):
 def test_a_request_whose_deadline_passes_behind_another_on_its_worker_is_not_run(tmp_path):
     # One worker holding two (max_inflight 2): the gated request runs, the one behind it waits on
     # the worker itself, and its deadline passes there. Both hold MARKER, which makes the model
-    # raise and the worker log it: the log tells which inputs the model ran.
+    # raise and the worker log it: the log tells which inputs the model ran. Probes are off: one
+    # sent to the worker would count in the in-flight numbers this waits on.
     gate = tmp_path / "gate"
     model = {"name": "pair", "source": "python:tests.faulty:make_pair",
              "kwargs": {"gate": str(gate)}, "workers": 1, "cores_per_worker": 1, "threads": 1,
-             "warmup": 0, "max_inflight": 2,
+             "warmup": 0, "max_inflight": 2, "probe": {"interval": 0},
              "inputs": [{"name": "a", "dtype": "float32", "shape": [-1, 8]},
                         {"name": "b", "dtype": "float32", "shape": [-1, -1]}]}
 
