@@ -372,6 +372,60 @@ def pack_two_after(prefix, first, key, second):
     return out
 
 
+def pack_uint_arrays(prefix, keys, arrays):
+    """``prefix``, then per key its packed bytes (``keys[i]``, as given) and ``arrays[i]``, a
+    list of non-negative ints below 2**64, as a msgpack array: the tail of a map whose values
+    are such lists (the supervisor's batch message: its rids, frame counts and deadlines), the
+    same bytes as packing the whole map, without walking each value's type. An int out of range
+    is an OverflowError."""
+    if len(keys) != len(arrays):
+        raise ValueError("as many keys as arrays")
+    if not COMPILED:
+        out = [prefix]
+        for index in range(len(keys)):
+            for value in arrays[index]:
+                if not 0 <= value <= 0xFFFFFFFFFFFFFFFF:
+                    raise OverflowError("Integer value out of range")
+            out.append(keys[index])
+            out.append(pack(arrays[index]))
+        return b"".join(out)
+    bound = PyBytes_GET_SIZE(prefix)
+    for index in range(len(keys)):
+        bound += PyBytes_GET_SIZE(keys[index]) + 5 + 9 * len(arrays[index])
+    data = cython.cast(cython.p_uchar, PyMem_Malloc(bound))
+    if data == cython.NULL:
+        raise MemoryError()
+    try:
+        pos = PyBytes_GET_SIZE(prefix)
+        memcpy(data, PyBytes_AS_STRING(prefix), pos)
+        for index in range(len(keys)):
+            key = keys[index]
+            memcpy(data + pos, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
+            pos += PyBytes_GET_SIZE(key)
+            array = arrays[index]
+            count = len(array)
+            if count <= 15:
+                data[pos] = 0x90 | count
+                pos += 1
+            elif count <= 0xFFFF:
+                data[pos] = 0xDC
+                data[pos + 1] = count >> 8
+                data[pos + 2] = count & 0xFF
+                pos += 3
+            else:
+                data[pos] = 0xDD
+                data[pos + 1] = (count >> 24) & 0xFF
+                data[pos + 2] = (count >> 16) & 0xFF
+                data[pos + 3] = (count >> 8) & 0xFF
+                data[pos + 4] = count & 0xFF
+                pos += 5
+            for value in array:
+                pos = put_uint(data, pos, value)  # a negative or huge int: OverflowError
+        return PyBytes_FromStringAndSize(cython.cast(cython.p_char, data), pos)
+    finally:
+        PyMem_Free(data)
+
+
 def put_uint(data, pos, value):
     """``value`` (0 <= value < 2**64) in msgpack's shortest unsigned form, written into ``data``
     (compiled: a C buffer; uncompiled: a bytearray) from ``pos``, which must leave 9 bytes of

@@ -66,6 +66,15 @@ def test_requests_that_cannot_be_split_have_no_signature():
         assert batching.signature(parsed([4], dtype=element), DIM0) is None
 
 
+def test_pick_batches_requests_whose_signatures_are_equal_but_not_the_same_object():
+    """Requests of one header share one signature object; two clients' headers of the same
+    shape each have their own, equal ones, and batch together all the same."""
+    queue = collections.deque([request(1, key=tuple(["k", 8])), request(2, key=tuple(["k", 8])),
+                               request(3, key=tuple(["other", 8]))])
+    assert queue[0].batch_key is not queue[1].batch_key
+    assert [r.rid for r in batching.pick(queue, BatchingConfig(max_size=16))] == [1, 2]
+
+
 def test_pick_takes_compatible_requests_in_order_up_to_the_caps():
     queue = collections.deque([request(1), request(2, key=("other",)), request(3), request(4)])
     assert [r.rid for r in batching.pick(queue, BatchingConfig(max_size=16))] == [1, 3, 4]

@@ -191,6 +191,27 @@ def test_pack_two_after_refuses_what_is_not_a_uint64(first, second):
         mpack.pack_two_after(b"\x83", first, b"", second)
 
 
+def test_pack_uint_arrays_writes_the_map_msgpack_would():
+    """The batch message's writer, at every array and integer width msgpack distinguishes."""
+    prefix = b"\x84" + msgpack.packb("type") + msgpack.packb("batch")
+    keys = tuple(msgpack.packb(key) for key in ("rids", "frames", "until"))
+    widths = [0, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1]
+    for size in (0, 1, 15, 16, 65535, 65536):
+        values = [widths[index % len(widths)] for index in range(size)]
+        arrays = (values, values[::-1], [1] * size)
+        packed = mpack.pack_uint_arrays(prefix, keys, arrays)
+        assert packed == msgpack.packb({"type": "batch", "rids": arrays[0], "frames": arrays[1],
+                                        "until": arrays[2]})
+
+
+@pytest.mark.parametrize("bad", [-1, 2**64])
+def test_pack_uint_arrays_refuses_what_is_not_a_uint64(bad):
+    with pytest.raises(OverflowError):
+        mpack.pack_uint_arrays(b"\x81", (b"\xa1k",), ([1, bad],))
+    with pytest.raises(ValueError):
+        mpack.pack_uint_arrays(b"\x81", (b"\xa1k",), ())
+
+
 def test_subclasses_of_str_int_and_dict_are_written_as_their_base():
     import enum
 

@@ -132,15 +132,25 @@ def pick(queue: Iterable, config: BatchingConfig) -> list:
     iterator = iter(queue)
     head = next(iterator)
     members = [head]
-    if head.batch_key is None or head.alone or config.max_size == 1:
+    # Read once: the config is a pydantic object, whose attribute reads cost more than the scan.
+    max_size = config.max_size
+    if head.batch_key is None or head.alone or max_size == 1:
         return members
+    max_rows = config.max_rows
+    key = head.batch_key
     rows = head.rows
-    for scanned, request in enumerate(iterator):
-        if len(members) >= config.max_size or scanned >= SCAN_LIMIT:
+    scanned = 0
+    for request in iterator:
+        if len(members) >= max_size or scanned >= SCAN_LIMIT:
             break
-        if request.done or request.alone or request.batch_key != head.batch_key:
+        scanned += 1
+        if request.done or request.alone:
             continue
-        if config.max_rows and rows + request.rows > config.max_rows:
+        # One header's requests share one signature object (``signature``): most compare by
+        # identity.
+        if request.batch_key is not key and request.batch_key != key:
+            continue
+        if max_rows and rows + request.rows > max_rows:
             continue
         members.append(request)
         rows += request.rows
@@ -162,11 +172,12 @@ def hold_until(members: list, config: BatchingConfig) -> float | None:
 def remove(queue: collections.deque, members: list) -> None:
     """Take the members out of the queue; the common case (a prefix) costs a popleft each."""
     count = 0
+    size = len(members)
     for request in queue:
-        if count == len(members) or request is not members[count]:
+        if count == size or request is not members[count]:
             break
         count += 1
-    if count == len(members):
+    if count == size:
         for _ in range(count):
             queue.popleft()
         return

@@ -4,11 +4,12 @@
 
 cimport cython
 
-from modelwarden.shared.mpack cimport pack_two_after
+from modelwarden.shared.mpack cimport pack_two_after, pack_uint_arrays
 from modelwarden.shared.protocol cimport (Envelope, InferCache, InferRequest, add_timing,
                                           frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets cimport send_parts
 from modelwarden.supervisor.fleet.handle cimport WorkerHandle
+from modelwarden.supervisor.routing.batching cimport pick, remove, signature
 from modelwarden.supervisor.routing.deadlines cimport Deadlines
 from modelwarden.supervisor.routing.limits cimport ReplyLedger, RequestBytes, payload_bytes
 from modelwarden.supervisor.routing.quotas cimport Quotas
@@ -18,7 +19,8 @@ from modelwarden.supervisor.routing.workers cimport (has_room, least_loaded, nee
                                                      probe_due, serves_nothing)
 
 cdef object _READY
-cdef bytes _RUN_PREFIX
+cdef bytes _RUN_PREFIX, _BATCH_PREFIX
+cdef tuple _BATCH_KEYS
 
 
 cdef class Router:
@@ -59,13 +61,17 @@ cdef class Router:
     cpdef bint _pass_buffers(self, WorkerHandle handle, Request request) except -1
     @cython.locals(parts=list)
     cpdef _send(self, WorkerHandle handle, Request request, double now)
-    @cython.locals(parts=list, member=Request)
+    @cython.locals(parts=list, member=Request, rids=list, counts=list, until=list)
     cpdef _send_batch(self, WorkerHandle handle, list members, double now)
     cpdef on_result(self, object pool, WorkerHandle handle, dict envelope, list frames)
-    @cython.locals(start=cython.Py_ssize_t, count=cython.Py_ssize_t, member=dict)
+    @cython.locals(service=ModelService, probe=cython.bint, now=cython.double)
+    cdef _on_answer(self, object pool, WorkerHandle handle, object rid, object ok, object code,
+                    object compute_us, object batch, list frames, dict envelope)
+    @cython.locals(start=cython.Py_ssize_t, count=cython.Py_ssize_t, members=list)
     cpdef on_results(self, object pool, WorkerHandle handle, dict envelope, list frames)
     @cython.locals(total_us=cython.longlong, queue_us=cython.longlong)
-    cpdef _relay_result(self, WorkerHandle handle, Request request, dict envelope, list frames)
+    cpdef _relay_result(self, WorkerHandle handle, Request request, object ok, object code,
+                        object compute_us, object batch, list frames)
     cpdef finish(self, Request request, dict reply)
     @cython.locals(parts=list, quotas=Quotas)
     cpdef _answer(self, Request request, object header, list frames=*, str code=*, dict timing=*)
@@ -74,3 +80,6 @@ cdef class Router:
 
 
 cdef _mark_sent(WorkerHandle handle, Request request, int batch_size, double now)
+cdef long long _until(Request request) except? -1
+@cython.locals(members=list)
+cdef list _batch_members(dict envelope, Py_ssize_t count)

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import zmq
 
 from modelwarden.shared import fdchannel, protocol
-from modelwarden.shared.mpack import pack_two_after
+from modelwarden.shared.mpack import pack_two_after, pack_uint_arrays
 from modelwarden.shared.protocol import (BAD_REQUEST, BUFFER_NOT_REGISTERED, NO_WORKER,
                                          OUT_OF_MEMORY, OVERLOADED, SHUTTING_DOWN, SIGNATURE,
                                          TIMEOUT, UNKNOWN_MODEL, InferCache, ProtocolError, add_timing,
                                          frame_lengths_match, parse_infer, request_id_of)
 from modelwarden.shared.sockets import send_parts
 from modelwarden.shared.states import WorkerState
-from modelwarden.supervisor.routing import batching
+from modelwarden.supervisor.routing.batching import hold_until, pick, remove, signature
 from modelwarden.supervisor.routing.deadlines import Deadlines
 from modelwarden.supervisor.routing.workers import (has_room, least_loaded, needs_the_pool,
                                                     probe_due, serves_nothing)
@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 _RUN_PREFIX = (b"\x83" + protocol.pack("type") + protocol.pack(protocol.RUN)
                + protocol.pack("until"))
 _RID_KEY = protocol.pack("rid")
+# {"type": "batch", "rids": [...], "frames": [...], "until": [...]}: the packed map's head and
+# keys; mpack.pack_uint_arrays writes the lists.
+_BATCH_PREFIX = b"\x84" + protocol.pack("type") + protocol.pack(protocol.BATCH)
+_BATCH_KEYS = (protocol.pack("rids"), protocol.pack("frames"), protocol.pack("until"))
 _NO_FRAMES: list = []
 _READY = WorkerState.READY
 
@@ -188,7 +192,7 @@ class Router:
         request.timeout = timeout
         request.arrived = now
         if service.batch_enabled:
-            key = batching.signature(parsed, service.batching, service.handler)
+            key = signature(parsed, service.batching, service.handler)
             if key is not None:
                 request.batch_key, request.rows = key
             request.queued_under_load = (bool(queue)
@@ -288,10 +292,10 @@ class Router:
             if handle is None:
                 return
             if service.batch_enabled:
-                members = batching.pick(queue, config)
+                members = pick(queue, config)
                 if service.max_delay_us and self._hold(service, pool, members, now):
                     return
-                batching.remove(queue, members)
+                remove(queue, members)
             else:
                 members = [queue.popleft()]
             members = [request for request in members
@@ -305,7 +309,7 @@ class Router:
 
     def _hold(self, service: ModelService, pool: "ModelPool", members: list, now: float) -> bool:
         """True while a partial batch waits for more members (a timer sends it later)."""
-        until = batching.hold_until(members, pool.config.batching)
+        until = hold_until(members, pool.config.batching)
         if until is None or until <= now:
             return False
         if service.hold is None:
@@ -371,17 +375,19 @@ class Router:
     def _send_batch(self, handle: WorkerHandle, members: list, now: float) -> None:
         """One message, every member's header and payload frames as they came: the supervisor
         still never touches payload bytes."""
-        envelope = protocol.pack({"type": protocol.BATCH, "rids": [m.rid for m in members],
-                                  "frames": [1 + len(m.payload) for m in members],
-                                  "until": [_until(m) for m in members]})
-        parts = [envelope]
+        rids, counts, until = [], [], []
+        parts = [None]
         for member in members:
+            rids.append(member.rid)
+            counts.append(1 + len(member.payload))
+            until.append(_until(member))
             parts.append(member.header_frame)
             parts.extend(member.payload)
+        # {"type": "batch", "rids": [...], "frames": [...], "until": [...]}
+        parts[0] = pack_uint_arrays(_BATCH_PREFIX, _BATCH_KEYS, (rids, counts, until))
         handle.link.send(parts)
         for member in members:
             _mark_sent(handle, member, len(members), now)
-
 
     def _send_probe(self, handle: WorkerHandle, now: float) -> None:
         probe = ProbeRequest(self._new_rid(), handle)
@@ -393,22 +399,33 @@ class Router:
 
     def on_result(self, pool: "ModelPool", handle: WorkerHandle, envelope: dict, frames: list) -> None:
         """``frames``: the reply header the worker wrote for the client, then its payload."""
-        request = handle.inflight.pop(envelope.get("rid"), None)
+        self._on_answer(pool, handle, envelope.get("rid"), envelope.get("ok"),
+                        envelope.get("code"), envelope.get("compute_us"), envelope.get("batch", 1),
+                        frames, envelope)
+
+    def _on_answer(self, pool: "ModelPool", handle: WorkerHandle, rid, ok, code, compute_us,
+                   batch, frames: list, envelope: dict | None) -> None:
+        """One answer of ``handle``'s, read from its ``result`` message (``envelope``) or from
+        its part of a ``results`` message (``envelope`` None: a batch member is never a probe,
+        whose verdict reads the envelope)."""
+        request = handle.inflight.pop(rid, None)
         if request is None:
-            logger.error("%s answered rid=%s, a request it does not hold", handle.worker_id,
-                         envelope.get("rid"))
+            logger.error("%s answered rid=%s, a request it does not hold", handle.worker_id, rid)
             return
         if not frames:
-            logger.error("%s sent a result without a reply header (rid=%s)", handle.worker_id,
-                         envelope.get("rid"))
+            logger.error("%s sent a result without a reply header (rid=%s)", handle.worker_id, rid)
             frames = [protocol.pack(protocol.error_header(None, protocol.INTERNAL,
                                                           "the worker's answer had no header"))]
-            envelope = {"ok": False}
-        if isinstance(request, ProbeRequest):
+            ok, code, envelope = False, None, {"ok": False}
+        probe = isinstance(request, ProbeRequest)
+        if probe:
+            if envelope is None:
+                envelope = {"rid": rid, "ok": ok, "code": code, "compute_us": compute_us,
+                            "batch": batch}
             self._judge_probe(pool, handle, request, envelope, frames)
         else:
-            self._relay_result(handle, request, envelope, frames)
-        if envelope.get("code") == OUT_OF_MEMORY:
+            self._relay_result(handle, request, ok, code, compute_us, batch, frames)
+        if code == OUT_OF_MEMORY:
             # An allocator that failed once (fragmented CUDA cache, a heap at its limit) is not
             # trusted with the next request: a fresh process takes the slot, replace before retire.
             pool.replace(handle, "out of memory in forward")
@@ -417,7 +434,7 @@ class Router:
         service = self.service_of(pool)
         if service.probes:
             now = self._clock()
-            if not isinstance(request, ProbeRequest):
+            if not probe:
                 handle.probe.answered_ahead(now)  # a probe behind it may start now
             if handle.state is _READY:
                 self._probe_if_due(service, handle, now)
@@ -443,31 +460,28 @@ class Router:
         compute_us, batch = envelope.get("compute_us"), envelope.get("batch", 1)
         start = 0
         for rid, ok, code, count in members:
-            member = {"rid": rid, "ok": ok, "compute_us": compute_us, "batch": batch}
-            if code is not None:
-                member["code"] = code
-            self.on_result(pool, handle, member, frames[start:start + count])
+            self._on_answer(pool, handle, rid, ok, code, compute_us, batch,
+                            frames[start:start + count], None)
             start += count
 
-    def _relay_result(self, handle: WorkerHandle, request: Request, envelope: dict,
+    def _relay_result(self, handle: WorkerHandle, request: Request, ok, code, compute_us, batch,
                       frames: list) -> None:
         """The worker wrote the client's reply header; only the timing is added, as bytes
         appended to the map, not by decoding and encoding it again."""
         handle.served += 1
         if request.done:  # it timed out while the worker was busy with it
             return
-        if envelope.get("ok"):
+        if ok:
             total_us = (now_ns() - request.received_ns) // 1000
             handle.latencies_us.append(total_us)
             queue_us = (request.dispatched_ns - request.received_ns) // 1000
-            compute_us, batch = envelope.get("compute_us"), envelope.get("batch", 1)
             header = add_timing(frames[0], queue_us, compute_us, total_us, batch)
             timing = None
             if self.observers:
                 timing = {"queue_us": queue_us, "compute_us": compute_us, "total_us": total_us,
                           "batch": batch}
             self._answer(request, header, frames[1:], "ok", timing)
-        elif envelope.get("code") == TIMEOUT:
+        elif code == TIMEOUT:
             # The worker found its deadline passed when its turn came, a moment before the
             # deadline timer here: answered as the timer would have, the daemon's own TIMEOUT.
             self.expire(request)
