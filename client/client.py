@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import heapq
 import os
 import threading
 import time
@@ -453,6 +454,7 @@ class AsyncClient:
         self._socket = self._connection.socket
         self._fd = self._socket.getsockopt(zmq.FD)
         self._waiting: dict[Any, asyncio.Future] = {}
+        self._deadlines = _Deadlines()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -505,7 +507,7 @@ class AsyncClient:
         loop = self._watch_from(asyncio.get_running_loop())
         future = loop.create_future()
         self._waiting[request_id] = future
-        timer = loop.call_later(timeout, _expire, future)
+        self._deadlines.add(loop, future, timeout, len(self._waiting))
         try:
             for parts in messages:
                 self._send(parts)
@@ -513,7 +515,6 @@ class AsyncClient:
         except asyncio.TimeoutError:
             raise _deadline_error(self.endpoint, timeout) from None
         finally:
-            timer.cancel()
             self._waiting.pop(request_id, None)
 
     def _watch_from(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
@@ -547,8 +548,11 @@ class AsyncClient:
         socket = self._socket
         if socket.closed:
             return
-        while socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            frames = recv_frames(socket, zmq.DONTWAIT)
+        # Read until EAGAIN, which also has libzmq process the commands its descriptor signalled
+        # (re-arming the edge) as ZMQ_EVENTS would, without pyzmq making an enum of the answer
+        # and of each test of it (four per request).
+        while True:
+            frames = recv_frames(socket, _DONTWAIT)
             if frames is None:
                 break
             try:
@@ -563,6 +567,7 @@ class AsyncClient:
         if self._closed:
             return
         self._closed = True
+        self._deadlines.close()
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         for future in self._waiting.values():
@@ -572,9 +577,77 @@ class AsyncClient:
         self._session.close()
 
 
-def _expire(future: asyncio.Future) -> None:
-    if not future.done():
-        future.set_exception(asyncio.TimeoutError())
+_DONTWAIT = int(zmq.DONTWAIT)
+
+
+class _Deadlines:
+    """The deadlines of an AsyncClient's requests under one timer of the loop, armed for the
+    earliest: a ``call_later`` per request (a handle made, pushed on the loop's heap, then
+    cancelled and swept) cost more of the client's CPU than the rest of asyncio's share of a
+    request. A heap of (when, sequence, weak reference to the request's future): a request
+    answered before its deadline leaves its entry behind, holding nothing of its reply, and the
+    entries are compacted when they outnumber twice the pending requests by ``SLACK``. A timer
+    that fires fails each pending future whose deadline has come with ``asyncio.TimeoutError``,
+    as ``call_later`` did, and is armed again for what is left."""
+
+    SLACK = 1024
+
+    def __init__(self) -> None:
+        self.heap: list = []
+        self.sequence = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.armed_for = 0.0
+
+    def add(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future, timeout: float,
+            pending: int) -> None:
+        when = loop.time() + timeout
+        self.sequence += 1
+        heapq.heappush(self.heap, (when, self.sequence, weakref.ref(future)))
+        if len(self.heap) > 2 * pending + self.SLACK:
+            self._compact()
+        if self.timer is None or loop is not self.loop or when < self.armed_for:
+            self._arm(loop, when)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.loop = loop
+        self.timer = loop.call_at(when, self._fire)
+        self.armed_for = when
+
+    def _fire(self) -> None:
+        self.timer = None
+        loop = self.loop
+        now = loop.time()
+        heap = self.heap
+        while heap:
+            when, _, reference = heap[0]
+            future = reference()
+            if future is None or future.done() or future.get_loop() is not loop:
+                heapq.heappop(heap)  # answered, or left behind by an earlier loop
+                continue
+            if when > now:
+                break
+            heapq.heappop(heap)
+            future.set_exception(asyncio.TimeoutError())
+        if heap:
+            self._arm(loop, heap[0][0])
+
+    def _compact(self) -> None:
+        kept = []
+        for entry in self.heap:
+            future = entry[2]()
+            if future is not None and not future.done():
+                kept.append(entry)
+        heapq.heapify(kept)
+        self.heap = kept
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.heap = []
 
 
 # -- control requests (the CLI) ------------------------------------------------------------------

@@ -157,13 +157,16 @@ def test_async_client_gives_up_on_a_silent_daemon_and_close_ends_what_still_wait
             await client.hello()
             daemon.process.send_signal(signal.SIGSTOP)
             try:
-                started = time.monotonic()
-                with pytest.raises(Timeout):
-                    await client.infer("mlp", x, timeout=0.5)
-                assert 0.5 + GRACE_S <= time.monotonic() - started < 10
+                # A long deadline first: the client's one timer is armed for it, and a shorter
+                # one sent after it must take the timer over.
                 held = asyncio.ensure_future(client.infer("mlp", x, timeout=60))
                 while not client._waiting:  # sent, and waiting for its reply
                     await asyncio.sleep(0)
+                started = time.monotonic()
+                with pytest.raises(Timeout):
+                    await asyncio.wait_for(client.infer("mlp", x, timeout=0.5), 10)
+                assert 0.5 + GRACE_S <= time.monotonic() - started < 10
+                assert not held.done()
                 await client.close()
                 with pytest.raises(RuntimeError, match="the client is closed"):
                     await asyncio.wait_for(held, 5)
@@ -173,6 +176,25 @@ def test_async_client_gives_up_on_a_silent_daemon_and_close_ends_what_still_wait
                 daemon.process.send_signal(signal.SIGCONT)
 
         asyncio.run(main())
+
+
+def test_an_async_clients_answered_requests_leave_no_deadline_entries_behind(daemon):
+    """AsyncClient keeps its requests' deadlines under one timer (client/client.py,
+    ``_Deadlines``): what answered requests leave behind is swept, so the entries stay within
+    twice the pending requests plus a constant, however many requests went before."""
+    import asyncio
+
+    from modelwarden.client.client import AsyncClient, _Deadlines
+
+    x = torch.randn(1, 64)
+
+    async def main():
+        async with AsyncClient(daemon.endpoint) as client:
+            for _ in range(50):
+                await asyncio.gather(*(client.infer("mlp", x) for _ in range(64)))
+            return len(client._deadlines.heap)
+
+    assert asyncio.run(main()) <= 2 * 64 + _Deadlines.SLACK
 
 
 def test_each_source_kind_loads_and_serves(daemon):
