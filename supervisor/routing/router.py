@@ -406,8 +406,8 @@ class Router:
     def _on_answer(self, pool: "ModelPool", handle: WorkerHandle, rid, ok, code, compute_us,
                    batch, frames: list, envelope: dict | None) -> None:
         """One answer of ``handle``'s, read from its ``result`` message (``envelope``) or from
-        its part of a ``results`` message (``envelope`` None: a batch member is never a probe,
-        whose verdict reads the envelope)."""
+        its part of a ``results`` message (``envelope`` None). A probe's verdict reads an
+        envelope: probes go alone, so one answered in a batch's message gets one made here."""
         request = handle.inflight.pop(rid, None)
         if request is None:
             logger.error("%s answered rid=%s, a request it does not hold", handle.worker_id, rid)
