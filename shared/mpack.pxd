@@ -71,9 +71,7 @@ cpdef bytes pack_uint(object value)
 @cython.locals(buf=cython.uchar[18], size=cython.Py_ssize_t, middle=cython.Py_ssize_t,
                first_end=cython.Py_ssize_t, end=cython.Py_ssize_t, out=bytes, data=cython.p_char)
 cpdef bytes pack_two_after(bytes prefix, object first, bytes key, object second)
-@cython.locals(bound=cython.Py_ssize_t, index=cython.Py_ssize_t, pos=cython.Py_ssize_t,
-               count=cython.Py_ssize_t, data=cython.p_uchar, key=bytes, array=list,
-               value=cython.ulonglong)
+@cython.locals(out=_Writer, index=cython.Py_ssize_t, array=list, value=cython.ulonglong)
 cpdef bytes pack_uint_arrays(bytes prefix, tuple keys, tuple arrays)
 @cython.locals(width=cython.Py_ssize_t, end=cython.Py_ssize_t, index=cython.Py_ssize_t)
 cdef Py_ssize_t put_uint(unsigned char *data, Py_ssize_t pos, unsigned long long value) noexcept

@@ -380,50 +380,17 @@ def pack_uint_arrays(prefix, keys, arrays):
     is an OverflowError."""
     if len(keys) != len(arrays):
         raise ValueError("as many keys as arrays")
-    if not COMPILED:
-        out = [prefix]
-        for index in range(len(keys)):
-            for value in arrays[index]:
-                if not 0 <= value <= 0xFFFFFFFFFFFFFFFF:
-                    raise OverflowError("Integer value out of range")
-            out.append(keys[index])
-            out.append(pack(arrays[index]))
-        return b"".join(out)
-    bound = PyBytes_GET_SIZE(prefix)
+    out = _Writer()
+    out.raw(prefix)
     for index in range(len(keys)):
-        bound += PyBytes_GET_SIZE(keys[index]) + 5 + 9 * len(arrays[index])
-    data = cython.cast(cython.p_uchar, PyMem_Malloc(bound))
-    if data == cython.NULL:
-        raise MemoryError()
-    try:
-        pos = PyBytes_GET_SIZE(prefix)
-        memcpy(data, PyBytes_AS_STRING(prefix), pos)
-        for index in range(len(keys)):
-            key = keys[index]
-            memcpy(data + pos, PyBytes_AS_STRING(key), PyBytes_GET_SIZE(key))
-            pos += PyBytes_GET_SIZE(key)
-            array = arrays[index]
-            count = len(array)
-            if count <= 15:
-                data[pos] = 0x90 | count
-                pos += 1
-            elif count <= 0xFFFF:
-                data[pos] = 0xDC
-                data[pos + 1] = count >> 8
-                data[pos + 2] = count & 0xFF
-                pos += 3
-            else:
-                data[pos] = 0xDD
-                data[pos + 1] = (count >> 24) & 0xFF
-                data[pos + 2] = (count >> 16) & 0xFF
-                data[pos + 3] = (count >> 8) & 0xFF
-                data[pos + 4] = count & 0xFF
-                pos += 5
-            for value in array:
-                pos = put_uint(data, pos, value)  # a negative or huge int: OverflowError
-        return PyBytes_FromStringAndSize(cython.cast(cython.p_char, data), pos)
-    finally:
-        PyMem_Free(data)
+        out.raw(keys[index])
+        array = arrays[index]
+        _write_size(out, len(array), 0x90, 0xDC)
+        for value in array:  # compiled, a C unsigned long long: out of range raises here
+            if not 0 <= value <= 0xFFFFFFFFFFFFFFFF:
+                raise OverflowError("Integer value out of range")
+            out.uint(value)
+    return out.result()
 
 
 def put_uint(data, pos, value):
