@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import resource
 import secrets
+import socket
 import subprocess
 import tempfile
 import tomllib
@@ -22,6 +24,25 @@ from modelwarden.testing import (DaemonGone, LocalDaemon, PollTimeout, memfd_hol
                                  perf_analyzer, poll_until, render_config, toml_value)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on, for a daemon to bind a moment later.
+
+    Drawn below the kernel's ephemeral range, never from it (``bind(port 0)`` would): an
+    outgoing connection takes its source port from that range, so a client's connect (or a
+    ZeroMQ reconnect to a killed daemon, which on loopback can even connect to itself) can
+    take a port from there between this check and the daemon's bind."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in 10000..{low}")
 
 
 def mlp_model(name: str = "mlp", workers: int = 2, **extra: Any) -> dict:

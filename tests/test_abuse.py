@@ -13,7 +13,7 @@ import zmq
 from modelwarden import Client
 from modelwarden.shared import protocol
 from modelwarden.shared.protocol import SIGNATURE
-from tests.helpers import Daemon, mlp_model, poll_until, rss_bytes
+from tests.helpers import Daemon, free_port, mlp_model, poll_until, rss_bytes
 
 MiB = 1 << 20
 # glibc raises its mmap threshold after freeing a large block, and then keeps later large
@@ -28,11 +28,6 @@ def echo_model(**extra) -> dict:
     model.update(extra)
     return model
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def infer_message(request_id: int, tensors: list[np.ndarray], model: str = "echo") -> list:

@@ -24,7 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from modelwarden.shared import protocol
 from modelwarden.client.client import AsyncClient, Client, Timeout
-from tests.helpers import ROOT, Daemon, mlp_model, poll_until, render_config
+from tests.helpers import ROOT, Daemon, free_port, mlp_model, poll_until, render_config
 from tests.test_config import assert_config_error
 from tests.test_config import serve_check as check_config_file
 
@@ -42,10 +42,6 @@ def make_pair(directory: Path, name: str) -> tuple[Path, Path]:
     assert result.returncode == 0, result.stderr
     return directory / f"{name}.key", directory / f"{name}.key_secret"
 
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return probe.getsockname()[1]
 
 
 def z85_public(path: Path) -> str:

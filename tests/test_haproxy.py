@@ -39,7 +39,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from tests.faulty import reference  # noqa: E402
 from tests.fleet import MODEL, fleet_model, served  # noqa: E402
 from tests.helpers import poll_until  # noqa: E402
-from tests.test_curve import free_port  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 from tests.test_gateway import gateway_daemon  # noqa: E402
 
 HAPROXY = shutil.which("haproxy")

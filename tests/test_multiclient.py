@@ -19,7 +19,7 @@ from tests.faulty import reference
 from tests.fleet import (MODEL, FleetKeys, Load, all_running, fleet_daemon, fleet_model,
                          kill_and_restart_under_load, served)
 from tests.helpers import Daemon, memfd_holders, poll_until
-from tests.test_curve import free_port
+from tests.helpers import free_port
 
 
 @pytest.fixture(scope="module")

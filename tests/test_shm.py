@@ -21,16 +21,11 @@ from modelwarden.shared import fdchannel, protocol, shm
 from modelwarden.client.client import Client
 from modelwarden.shared.codec import TORCH_DTYPES
 from modelwarden.supervisor.routing.buffers import MAX_BUFFERS_PER_CONNECTION
-from tests.helpers import (ROOT, Daemon, cmdline, fd_count, memfd_holders, poll_until,
+from tests.helpers import (ROOT, Daemon, cmdline, fd_count, free_port, memfd_holders, poll_until,
                            readline_within, shmem_kib, temporary_user)
 
 THRESHOLD = 4096  # small, so modest tensors take the shared-memory path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def echo(name: str, copy: bool, workers: int = 1, **extra) -> dict:
