@@ -69,10 +69,12 @@ import zmq
 from modelwarden.shared import protocol
 from modelwarden.client.control import control_request
 from modelwarden.client.connection import Connection
+from modelwarden.client.local import LocalConnection, is_local
 from modelwarden.client.curve import ClientKeys, client_keys
-from modelwarden.shared.errors import (BadInput, BadRequest, InternalError, ModelError, NoWorker,
-                           OutOfMemory, Overloaded, Poison, RemoteError, ShuttingDown, Timeout,
-                           UnknownModel, WorkerDied)
+from modelwarden.shared.errors import (BadInput, BadRequest, ConnectionLost, InternalError,
+                                       ModelError, NoDaemon, NoWorker, OutOfMemory, Overloaded,
+                                       Poison, RemoteError, ShuttingDown, Timeout, UnknownModel,
+                                       WorkerDied)
 from modelwarden.client.ipcaccess import check_ipc_endpoint
 from modelwarden.shared.rawconfig import (ENV_CONFIG, ENV_ENDPOINT, client_runtime_dir, discovered_socket,
                                           frontend_endpoints)
@@ -92,9 +94,11 @@ def default_endpoint() -> str:
         return os.environ[ENV_ENDPOINT]
     if os.environ.get(ENV_CONFIG):
         frontends = frontend_endpoints()
-        ipc = [endpoint for endpoint in frontends if endpoint.startswith("ipc://")]
-        if ipc or frontends:
-            return (ipc or frontends)[0]
+        # On this host: the local frontend (no ZeroMQ between), else an ipc one (shared memory).
+        local = [endpoint for endpoint in frontends if endpoint.startswith(("unix://", "ipc://"))]
+        local.sort(key=lambda endpoint: not is_local(endpoint))
+        if local or frontends:
+            return (local or frontends)[0]
     return discovered_socket(client_runtime_dir(), "frontend.sock")
 
 
@@ -132,7 +136,7 @@ class _Connection(Connection):
 
 
 def _deadline_error(endpoint: str, timeout: float) -> Timeout:
-    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else None
+    path = endpoint.partition("://")[2] if endpoint.startswith(("ipc://", "unix://")) else None
     if path is not None and not os.path.exists(path):
         return Timeout(f"no daemon at {endpoint}: the socket file does not exist "
                        "(is the daemon running? is this its runtime directory?)")
@@ -214,12 +218,16 @@ class Client:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _connection(self) -> _Connection:
+    def _connection(self) -> _Connection | LocalConnection:
         connection = getattr(self._local, "connection", None)
         if connection is None:
             if self._closed:
                 raise RuntimeError("the client is closed")
-            connection = _Connection(self._context, self.endpoint, self._curve)
+            if is_local(self.endpoint):
+                check_ipc_endpoint(self.endpoint)  # EACCES now, not at the first send
+                connection = LocalConnection(self.endpoint)
+            else:
+                connection = _Connection(self._context, self.endpoint, self._curve)
             self._local.connection = connection
             with self._lock:
                 self._connections.add(connection)
@@ -230,8 +238,9 @@ class Client:
         if self._session.offer is None:
             connection = self._connection()
             request_id, message = self._session.hello_message()
-            connection.send([message])
-            header, _ = self._await(connection, request_id, min(self.timeout, HELLO_TIMEOUT_S))
+            timeout = min(self.timeout, HELLO_TIMEOUT_S)
+            _send(connection, [message], timeout)
+            header, _ = self._await(connection, request_id, timeout)
             self._session.take_offer(header)
         return self._session.offer
 
@@ -244,7 +253,7 @@ class Client:
         for attempt in range(2):
             messages, pending = self._session.build(model, inputs, timeout, details)
             try:
-                connection.send(messages)
+                _send(connection, messages, timeout)
                 header, frames = self._await(connection, pending.id, timeout + GRACE_S)
             except BaseException:
                 self._session.discard(pending)
@@ -261,6 +270,9 @@ class Client:
         while True:
             frames = connection.receive(deadline - _now())
             if frames is None:
+                if type(connection) is LocalConnection and connection.closed_by_peer:
+                    connection.drop()
+                    raise _lost(self.endpoint)
                 raise _deadline_error(self.endpoint, timeout)
             rid, header, payload = self._session.split(frames)
             if rid == request_id:
@@ -276,7 +288,8 @@ class Client:
             if self._closed:
                 raise RuntimeError("the client is closed")
             if self._io is None:
-                self._io = _IOThread(self._context, self.endpoint, self._session, self._curve)
+                thread = _LocalIOThread if is_local(self.endpoint) else _IOThread
+                self._io = thread(self._context, self.endpoint, self._session, self._curve)
                 self._io.start()
             return self._io.submit(model, inputs, timeout, details)
 
@@ -303,6 +316,19 @@ class Client:
 
 def _now() -> float:
     return time.monotonic()
+
+
+def _send(connection: _Connection | LocalConnection, messages: list, timeout: float) -> None:
+    """Queue ``messages``; a unix:// connection is made first (or again, after the daemon
+    closed it), waiting up to ``timeout`` for a daemon that is starting."""
+    if type(connection) is LocalConnection:
+        connection.ensure(_now() + timeout)
+    connection.send(messages)
+
+
+def _lost(endpoint: str) -> ConnectionLost:
+    return ConnectionLost(f"the daemon at {endpoint} closed the connection before it answered "
+                          "(it stopped or restarted); the request may or may not have run")
 
 
 class _IOThread(threading.Thread):
@@ -386,17 +412,23 @@ class _IOThread(threading.Thread):
         model, inputs, timeout, details = request
         try:
             messages, pending = self.session.build(model, inputs, timeout, details)
-            connection.send(messages)  # a replaced socket is in the poller already
+            self._deliver(connection, messages, timeout)
         except BaseException as exc:
             future.set_exception(exc)
             return
         self.waiting[pending.id] = (pending, future, _now() + timeout + GRACE_S,
                                     request if first else None, timeout + GRACE_S)
 
+    def _deliver(self, connection: _Connection, messages: list, timeout: float) -> None:
+        connection.send(messages)  # a replaced socket is in the poller already
+
     def _take_reply(self, connection: _Connection) -> None:
         # One message per readiness: the poll is level-triggered, the next pass takes the rest.
+        self._on_reply(connection, recv_frames(connection.socket))
+
+    def _on_reply(self, connection, frames: list) -> None:
         try:
-            rid, header, payload = self.session.split(recv_frames(connection.socket))
+            rid, header, payload = self.session.split(frames)
         except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
             return
         entry = self.waiting.pop(rid, None)
@@ -419,6 +451,49 @@ class _IOThread(threading.Thread):
                 del self.waiting[request_id]
                 self.session.discard(pending)
                 future.set_exception(_deadline_error(self.endpoint, waited))
+
+
+class _LocalIOThread(_IOThread):
+    """``submit``'s thread on a ``unix://`` endpoint (client/local.py): the same requests and
+    replies, over the loop's own connection; a connection the daemon closed fails what it
+    carried at once (ConnectionLost), and the next request connects again."""
+
+    def run(self) -> None:
+        self.connection = connection = LocalConnection(self.endpoint)
+        connection.watch_also(self._wake_read)
+        try:
+            while not self._stopping:
+                ready = connection.pump(self._next_deadline())
+                self._take_replies(connection)
+                if self._wake_read in ready:
+                    self._take_inbox(connection)
+                    self._take_replies(connection)  # read while its requests were written
+                self._expire()
+        finally:
+            for pending, future, _, _, _ in self.waiting.values():
+                self.session.discard(pending)
+                future.set_exception(RuntimeError("the client was closed"))
+            self._fail_unsent()
+            connection.close()
+
+    def _deliver(self, connection: LocalConnection, messages: list, timeout: float) -> None:
+        if connection.closed_by_peer:  # what it carried fails before another one is made
+            self._take_replies(connection)
+        connection.connect(_now() + timeout)
+        connection.send(messages)
+
+    def _take_replies(self, connection: LocalConnection) -> None:
+        for frames in connection.take():
+            self._on_reply(connection, frames)
+        if connection.closed_by_peer:
+            connection.drop()
+            self._lose_waiting()
+
+    def _lose_waiting(self) -> None:
+        waiting, self.waiting = self.waiting, {}
+        for pending, future, _, _, _ in waiting.values():
+            self.session.discard(pending)  # it may still run: its buffers stay untouched
+            future.set_exception(_lost(self.endpoint))
 
 
 # -- asyncio ------------------------------------------------------------------------------------
@@ -447,12 +522,18 @@ class AsyncClient:
         self.timeout = timeout
         curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
-        # The process's one context, never terminated here: a client of its own context that
-        # is garbage-collected unclosed inside a reference cycle (asyncio makes them) could have
-        # the context's finalizer wait for ever on the socket the same cycle still holds.
-        self._connection = Connection(zmq.Context.instance(), self.endpoint, curve)
-        self._socket = self._connection.socket
-        self._fd = self._socket.getsockopt(zmq.FD)
+        # unix://: the loop's own connection (client/local.py), made at the first request.
+        self._local = LocalConnection(self.endpoint) if is_local(self.endpoint) else None
+        if self._local is None:
+            # The process's one context, never terminated here: a client of its own context
+            # that is garbage-collected unclosed inside a reference cycle (asyncio makes them)
+            # could have the context's finalizer wait for ever on the socket the cycle holds.
+            self._connection = Connection(zmq.Context.instance(), self.endpoint, curve)
+            self._socket = self._connection.socket
+            self._fd = self._socket.getsockopt(zmq.FD)
+        else:
+            self._fd = None  # the connection's, once connected
+            self._writing = False  # the loop watches it for writing
         self._waiting: dict[Any, asyncio.Future] = {}
         self._deadlines = _Deadlines()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -505,6 +586,8 @@ class AsyncClient:
         if self._closed:
             raise RuntimeError("the client is closed")
         loop = self._watch_from(asyncio.get_running_loop())
+        if self._local is not None and (self._fd is None or self._local.closed_by_peer):
+            await self._connect_local(loop, loop.time() + timeout)
         future = loop.create_future()
         self._waiting[request_id] = future
         self._deadlines.add(loop, future, timeout, len(self._waiting))
@@ -520,13 +603,90 @@ class AsyncClient:
     def _watch_from(self, loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
         """Have ``loop`` call us when the socket has something; once per loop."""
         if self._loop is not loop:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(self._fd)
-            loop.add_reader(self._fd, self._on_events)
+            if self._fd is not None:
+                self._unwatch()
+                self._loop = loop
+                self._watch()
             self._loop = loop
         return loop
 
+    def _watch(self) -> None:
+        if self._local is None:
+            self._loop.add_reader(self._fd, self._on_events)
+            return
+        self._loop.add_reader(self._fd, self._on_local_events)
+        if self._local.link.out:
+            self._loop.add_writer(self._fd, self._on_local_writable)
+            self._writing = True
+
+    def _unwatch(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        loop.remove_reader(self._fd)
+        if self._local is not None and self._writing:
+            loop.remove_writer(self._fd)
+            self._writing = False
+
+    # -- unix:// (client/local.py) -------------------------------------------------------------
+
+    async def _connect_local(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        """Connected (again, after the daemon closed it), waiting up to ``deadline`` (the
+        loop's time) for a daemon that is starting; NoDaemon then."""
+        local = self._local
+        if local.closed_by_peer:
+            self._local_lost()
+        delay = 0.005
+        while not local.try_connect():
+            left = deadline - loop.time()
+            if left <= 0:
+                raise NoDaemon(f"no daemon listening at {local.path} (is it running? is this "
+                               "its frontend?)")
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, 0.1)
+        if self._fd is None:
+            self._fd = local.link.fd
+            self._watch()
+
+    def _on_local_events(self) -> None:
+        local = self._local
+        local.read()
+        waiting = self._waiting
+        for frames in local.take():
+            try:
+                rid, header, payload = self._session.split(frames)
+            except (RemoteError, protocol.ProtocolError):  # not our protocol: ignore it
+                continue
+            future = waiting.get(rid)
+            if future is not None and not future.done():
+                future.set_result((header, payload))
+        if local.closed_by_peer:
+            self._local_lost()
+
+    def _on_local_writable(self) -> None:
+        local = self._local
+        local.flush()
+        if local.link is not None and not local.link.out and self._writing:
+            self._loop.remove_writer(self._fd)
+            self._writing = False
+
+    def _local_lost(self) -> None:
+        """The daemon closed the connection: what waited on it will not be answered."""
+        self._unwatch()
+        self._fd = None
+        self._local.drop()
+        for future in self._waiting.values():
+            if not future.done():
+                future.set_exception(_lost(self.endpoint))
+
     def _send(self, parts: list) -> None:
+        if self._local is not None:
+            link = self._local.link
+            link.send(parts)
+            if link.out and not self._writing:
+                self._loop.add_writer(self._fd, self._on_local_writable)
+                self._writing = True
+            return
         # Never waits (client/connection.py); a socket libzmq gave up is replaced by a new one.
         if self._connection.send([parts]):
             self._watch_new_socket()
@@ -568,12 +728,15 @@ class AsyncClient:
             return
         self._closed = True
         self._deadlines.close()
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
+        if self._fd is not None:
+            self._unwatch()
         for future in self._waiting.values():
             if not future.done():
                 future.set_exception(RuntimeError("the client is closed"))
-        self._connection.close()
+        if self._local is not None:
+            self._local.close()
+        else:
+            self._connection.close()
         self._session.close()
 
 

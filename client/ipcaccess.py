@@ -21,10 +21,11 @@ from modelwarden.shared.errors import NoDaemon
 def check_ipc_endpoint(endpoint: str, require_present: bool = False) -> None:
     """Raise PermissionError when this process may not connect to ``endpoint`` (an ipc path that
     exists but that we cannot reach), NoDaemon when ``require_present`` and nothing is there.
-    tcp endpoints, and paths that may still appear (the daemon starting), pass."""
-    if not endpoint.startswith("ipc://"):
+    tcp endpoints, and paths that may still appear (the daemon starting), pass. A ``unix://``
+    endpoint (the local frontend) is a socket file too, and checked the same way."""
+    if not endpoint.startswith(("ipc://", "unix://")):
         return
-    path = Path(endpoint[len("ipc://"):])
+    path = Path(endpoint.partition("://")[2])
     if os.access(path, os.W_OK, effective_ids=True):
         stale = stale_socket(path)
         if stale is not None:

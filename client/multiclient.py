@@ -70,6 +70,13 @@ def split_endpoints(endpoint: str | list[str] | tuple[str, ...]) -> list[str]:
     endpoints = [item.strip() for item in items if item.strip()]
     if not endpoints:
         raise ValueError(f"no endpoint in {endpoint!r}")
+    if len(endpoints) > 1:
+        local = [item for item in endpoints if item.startswith("unix://")]
+        if local:
+            # Several daemons are a fleet's: heartbeats, re-sends and balancing are built on
+            # DEALERs. A unix:// endpoint is one local daemon's (Client, AsyncClient).
+            raise ValueError(f"{local[0]}: a unix:// endpoint is one daemon's; connect to "
+                             "several over ipc:// or tcp://")
     return endpoints
 
 

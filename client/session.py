@@ -67,7 +67,7 @@ class Session:
 
     def __init__(self, endpoint: str, shm: bool | None, copy_outputs: bool) -> None:
         self.endpoint = endpoint
-        self.want_shm = shm is not False and endpoint.startswith("ipc://")
+        self.want_shm = shm is not False and endpoint.startswith(("ipc://", "unix://"))
         self.copy_outputs = copy_outputs
         self.offer: dict | None = None
         self.arena: ShmArena | None = None

@@ -29,7 +29,7 @@ _EXPORTS = {
     **{name: "modelwarden.shared.errors" for name in (
         "RemoteError", "BadRequest", "BadInput", "UnknownModel", "NoWorker", "ModelError",
         "OutOfMemory", "WorkerDied", "Poison", "Timeout", "Overloaded", "ShuttingDown",
-        "InternalError")},
+        "InternalError", "NoDaemon", "ConnectionLost")},
 }
 
 __all__ = ["__version__", *_EXPORTS]

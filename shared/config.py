@@ -409,8 +409,10 @@ class DaemonConfig(_Strict):
 
 
 def check_endpoint(endpoint: str) -> str:
-    if not re.match(r"^(ipc://.+|tcp://[^:]+:[0-9]+)$", endpoint):
-        raise ValueError(f"endpoint {endpoint!r}: use ipc://PATH or tcp://HOST:PORT")
+    # unix://PATH: the local frontend (supervisor/routing/localfront.py), no ZeroMQ.
+    if not re.match(r"^(ipc://.+|unix:///.+|tcp://[^:]+:[0-9]+)$", endpoint):
+        raise ValueError(f"endpoint {endpoint!r}: use ipc://PATH, unix:///ABSOLUTE/PATH or "
+                         "tcp://HOST:PORT")
     return endpoint
 
 

@@ -12,6 +12,12 @@ class NoDaemon(ConnectionError):
     client's side before anything is sent (client/ipcaccess.py, shared/trustdir.py)."""
 
 
+class ConnectionLost(ConnectionError):
+    """The daemon closed a ``unix://`` connection while this request waited for its reply (it
+    stopped or restarted): it will not be answered, and whether it ran is unknown. Raised at
+    once, where a ZeroMQ endpoint's request would wait for its deadline and raise Timeout."""
+
+
 class RemoteError(Exception):
     """A request failed; ``code`` is one of shared.protocol.ERROR_CODES."""
 

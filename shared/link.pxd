@@ -32,7 +32,6 @@ cdef extern from "<errno.h>":
 
 cdef bint COMPILED
 cdef Py_ssize_t _COPY_BELOW, _SMALL_BELOW, _FAST_PARTS, _LENGTH, _ALIGN
-cdef long long _MAX_PARTS
 cdef int _EAGAIN, _EINTR
 
 
@@ -40,7 +39,7 @@ cdef class Link:
     cdef public object sock, buffer, view, big, whole, out, on_pending, error, max_bytes
     cdef public int fd
     cdef public bint writable, eof, broken
-    cdef public Py_ssize_t start, end, read_per_call, taken
+    cdef public Py_ssize_t start, end, read_per_call, taken, max_parts
 
     cpdef bint send(self, list parts, bint blocking=*) except -1
     @cython.locals(written=Py_ssize_t)

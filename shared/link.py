@@ -68,7 +68,7 @@ READ_PER_CALL = 4 << 20  # bytes one ``receive`` reads from the socket, at most 
 IOV_MAX = 1024  # iovecs per sendmsg (Linux's UIO_MAXIOV)
 FAST_PARTS = 64  # compiled: a message of fewer parts is written and split in C
 # The C copies the compiled code reads (link.pxd): the names above stay the module's own.
-_COPY_BELOW, _SMALL_BELOW, _FAST_PARTS, _MAX_PARTS = COPY_BELOW, SMALL_BELOW, FAST_PARTS, MAX_PARTS
+_COPY_BELOW, _SMALL_BELOW, _FAST_PARTS = COPY_BELOW, SMALL_BELOW, FAST_PARTS
 _ALIGN = ALIGN
 _COUNT = struct.Struct("<I")
 _LENGTH = 8
@@ -101,23 +101,29 @@ class Link:
     """One end of a worker link over the connected stream socket ``sock`` (a ``socket.socket``,
     made non-blocking here). ``writable``: received parts may be written into (the worker's
     end); ``max_bytes``: the largest message accepted; ``read_per_call``: the bytes one
-    ``receive`` reads from the socket before it answers. Compiled, an extension type
-    (link.pxd)."""
+    ``receive`` reads from the socket before it answers; ``max_parts``: the most parts a
+    message may have; ``buffer_bytes``: the read buffer's size to start with (it grows to hold
+    one small message's head and parts, under SMALL_BELOW + 8 x ``max_parts`` bytes);
+    ``send_buffer``: the SO_SNDBUF asked, None for the kernel's default. Compiled, an extension
+    type (link.pxd)."""
 
     def __init__(self, sock, writable: bool = False, max_bytes: int = MAX_BYTES,
-                 read_per_call: int = READ_PER_CALL) -> None:
+                 read_per_call: int = READ_PER_CALL, max_parts: int = MAX_PARTS,
+                 buffer_bytes: int = BUFFER_BYTES, send_buffer: int | None = SEND_BUFFER) -> None:
         sock.setblocking(False)
-        try:  # the kernel holds up to this much of what we wrote (within net.core.wmem_max)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
-        except OSError:
-            pass
+        if send_buffer is not None:
+            try:  # the kernel holds up to this much of what we wrote (within net.core.wmem_max)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+            except OSError:
+                pass
         self.sock = sock
         self.fd = sock.fileno()
         self.writable = writable
         self.max_bytes = max_bytes
+        self.max_parts = max_parts  # a head of more parts is garbage (it costs 8 bytes a part)
         self.read_per_call = read_per_call
         self.taken = 0  # bytes the current ``receive`` has read from the socket
-        self.buffer = bytearray(BUFFER_BYTES)
+        self.buffer = bytearray(buffer_bytes)
         self.view = memoryview(self.buffer)
         self.start = 0  # the first byte not yet parsed
         self.end = 0  # the end of what was read
@@ -334,12 +340,12 @@ class Link:
             if available < 4:
                 return
             count = _COUNT.unpack_from(self.buffer, self.start)[0]
-            if count == 0 or count > _MAX_PARTS:
+            if count == 0 or count > self.max_parts:
                 self._garbage(f"a message of {count} parts")
             head = 4 + _LENGTH * count
             if available < head:
                 if head > len(self.buffer) - self.start:
-                    self._make_room(head)  # a head of many parts: at most MAX_PARTS * 8 bytes
+                    self._make_room(head)  # a head of many parts: at most max_parts * 8 bytes
                 return
             if COMPILED and count < _FAST_PARTS:
                 parsed = self._split_c(count, head)

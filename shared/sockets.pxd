@@ -146,7 +146,8 @@ cdef extern from *:
 
 
 cdef class Poller:
-    cdef public list items, quiet, writing
+    cdef public list items, quiet
+    cdef public set writing, muted
     cdef public bint stale
     cdef Py_ssize_t capacity
     cdef long long rounds
@@ -172,6 +173,7 @@ cdef class Part:
 
 cdef int _SNDMORE, _NOBLOCK, _POLLIN, _POLLOUT, _POLLIN_FD, _POLLOUT_FD, _EAGAIN, _EINTR
 cdef object _FRAME
+cdef object _SOCKET
 cdef long long QUIET_CHECK_EVERY
 cdef Py_ssize_t _COPY_BELOW
 

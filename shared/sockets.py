@@ -44,11 +44,17 @@ _COPY_BELOW = COPY_BELOW
 _EAGAIN = _errno.EAGAIN
 _EINTR = _errno.EINTR
 _FRAME = zmq.Frame
+_SOCKET = zmq.Socket
 
 
 def send_parts(socket, parts):
     """Send a multipart message without copying large parts (small ones are copied, which is
-    cheaper for them). Parts: bytes, ``Part``, ``zmq.Frame`` or any buffer."""
+    cheaper for them). Parts: bytes, ``Part``, ``zmq.Frame`` or any buffer. ``socket`` may also
+    be a frontend the daemon's loop serves itself (supervisor/routing/localfront.py), which
+    routes by the first part as a ROUTER does."""
+    if not isinstance(socket, _SOCKET):
+        socket.send_parts(parts)
+        return
     if COMPILED:
         _send_c(socket, parts, 0)
         return
@@ -339,7 +345,8 @@ class Poller:
     def __init__(self):
         self.items = []  # registered, in order
         self.quiet = []  # the registered zmq sockets that are quiet
-        self.writing = []  # the registered descriptors also watched for writing
+        self.writing = set()  # the registered descriptors also watched for writing
+        self.muted = set()  # the registered descriptors not watched for reading (for now)
         self.stale = True  # the C arrays no longer match ``items``
         self.capacity = 0
         self.rounds = 0
@@ -356,18 +363,30 @@ class Poller:
         self.items.remove(item)  # ValueError if it was not registered
         if item in self.quiet:
             self.quiet.remove(item)
-        if item in self.writing:
-            self.writing.remove(item)
+        self.writing.discard(item)
+        self.muted.discard(item)
         self.stale = True
 
     def want_write(self, item, wanted):
         """Whether a registered descriptor is reported ready when it can be written too (a
         worker link with bytes waiting: shared/link.py), not only when it can be read."""
         if wanted and item not in self.writing:
-            self.writing.append(item)
+            self.writing.add(item)
             self.stale = True
         elif not wanted and item in self.writing:
             self.writing.remove(item)
+            self.stale = True
+
+    def want_read(self, item, wanted):
+        """Whether a registered descriptor is watched for reading (the default). A client's
+        local connection whose replies back up is not read until they are written: its handler
+        would not read it, and a level-triggered poll would report it ready at once, for ever.
+        A hang-up or an error is reported all the same."""
+        if not wanted and item not in self.muted:
+            self.muted.add(item)
+            self.stale = True
+        elif wanted and item in self.muted:
+            self.muted.remove(item)
             self.stale = True
 
     def poll(self, timeout=None):
@@ -376,7 +395,7 @@ class Poller:
             return self._poll_c(timeout)
         keys = [item if isinstance(item, (zmq.Socket, int)) else item.fileno() for item in self.items]
         ready = {key for key, _ in zmq.zmq_poll(
-            [(key, _POLLIN | (_POLLOUT if item in self.writing else 0))
+            [(key, (0 if item in self.muted else _POLLIN) | (_POLLOUT if item in self.writing else 0))
              for key, item in zip(keys, self.items)], timeout)}
         return [item for item, key in zip(self.items, keys) if key in ready]
 
@@ -492,7 +511,8 @@ class Poller:
                 self.c_items[index].check = 0
                 fd = item if isinstance(item, int) else item.fileno()
             self.c_fds[index].fd = fd
-            self.c_fds[index].events = _POLLIN_FD | (_POLLOUT_FD if item in self.writing else 0)
+            self.c_fds[index].events = ((0 if item in self.muted else _POLLIN_FD)
+                                        | (_POLLOUT_FD if item in self.writing else 0))
             self.c_fds[index].revents = 0
         self.stale = False
 

@@ -55,7 +55,7 @@ from modelwarden.supervisor.fleet.placement import SlotPlacement, available_core
 from modelwarden.supervisor.fleet.pool import ModelPool
 from modelwarden.supervisor.fleet import probes
 from modelwarden.supervisor.fleet.fleet import Fleet
-from modelwarden.supervisor.routing import identity
+from modelwarden.supervisor.routing import identity, localfront
 from modelwarden.supervisor.routing.quotas import Quotas, max_buffer_bytes, shares_from
 from modelwarden.supervisor.fleet import reload
 from modelwarden.supervisor.routing.intake import Intake
@@ -233,11 +233,14 @@ class Arbiter:
         try:
             self._start_zap()
             for index, endpoint in enumerate(self.settings.frontends):
-                sock = self._router_socket(endpoint, client_facing=True)
-                self.frontends.append(sock)
-                self._frontend_is_ipc.append(endpoint.startswith("ipc://"))
+                self._frontend_is_ipc.append(not endpoint.startswith("tcp://"))
                 self.frontend_transports.append(
                     identity.transport_of(endpoint, self.server_keys is not None))
+                if localfront.is_local(endpoint):
+                    self.frontends.append(self._local_frontend(index, endpoint))
+                    continue
+                sock = self._router_socket(endpoint, client_facing=True)
+                self.frontends.append(sock)
                 self._on(sock, functools.partial(self.intake.drain_clients, index))
                 self._watch_connections(sock, endpoint, pausable=True)
             self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
@@ -246,6 +249,19 @@ class Arbiter:
         finally:
             os.umask(old_umask)
         self._bind_private()
+
+    def _local_frontend(self, index: int, endpoint: str) -> localfront.LocalFrontend:
+        """A ``unix://`` frontend: its listener and connections are the loop's own."""
+        poller = self.loop.poller
+        front = localfront.LocalFrontend(
+            index, endpoint, self.settings.daemon.shm_group, self.settings.daemon.max_message_bytes,
+            self.connections, self.intake.client_message, watch=self._on, unwatch=self._off,
+            want_write=poller.want_write, want_read=poller.want_read,
+            later=lambda delay, then: self.timers.call_at(self.clock() + delay, then),
+            clock=self.clock)
+        front.listen()
+        self.connections.add_listener(front)
+        return front
 
     def _bind_private(self) -> None:
         """The socket only the daemon's user may reach: mutating commands. (Workers are reached

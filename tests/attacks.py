@@ -4,6 +4,7 @@ unprivileged user under the system python:
 
     python3 tests/attacks.py connect PATH COUNT          open COUNT unix connections to PATH
     python3 tests/attacks.py channels PATH COUNT         open COUNT buffers.sock connections
+    python3 tests/attacks.py streams PATH COUNT          the same, on a stream socket (unix://)
     python3 tests/attacks.py register PATH PER MESSAGES SIZE [sparse]
                                                          MESSAGES registrations of PER copies of
                                                          one SIZE-byte memfd (sparse: never written)
@@ -51,10 +52,10 @@ def connect(path: str, count: int) -> None:
     hold(held)
 
 
-def channels(path: str, count: int) -> None:
+def channels(path: str, count: int, kind: int = socket.SOCK_SEQPACKET) -> None:
     held, refused = [], 0
     for _ in range(count):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock = socket.socket(socket.AF_UNIX, kind)
         # A blocking connect waits while the listen backlog is full: every connection reaches the
         # daemon's accept (its share decides), not just those a busy daemon happened to keep up
         # with. SO_SNDTIMEO bounds that wait; settimeout() would not do: it makes the socket
@@ -148,6 +149,8 @@ def main() -> None:
         connect(args[0], int(args[1]))
     elif command == "channels":
         channels(args[0], int(args[1]))
+    elif command == "streams":
+        channels(args[0], int(args[1]), socket.SOCK_STREAM)
     elif command == "register":
         register(args[0], int(args[1]), int(args[2]), int(args[3]), args[4:] == ["sparse"])
     else:

@@ -90,13 +90,18 @@ class Daemon(LocalDaemon):
     the workers (tests/faulty.py), and the daemon started from the repository root."""
 
     def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None,
-                 extra_frontends: list[str] = (), nofile: int | None = None) -> None:
+                 extra_frontends: list[str] = (), nofile: int | None = None,
+                 local: bool = False) -> None:
         # Short paths: a unix socket path is limited to 107 bytes.
         directory = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
         settings = {"runtime_dir": str(directory / "run"), "allow_oversubscription": True,
                     "heartbeat_interval": 0.2,
                     "python_path": [str(ROOT)]}
         settings.update(daemon or {})
+        # local: a unix:// frontend too (supervisor/routing/localfront.py), as ``self.local``.
+        self.local = f"unix://{directory}/run/local.sock" if local else None
+        if local:
+            extra_frontends = [*extra_frontends, self.local]
         if extra_frontends:
             settings["frontend"] = [f"ipc://{directory}/run/frontend.sock", *extra_frontends]
         self.nofile = nofile  # RLIMIT_NOFILE (soft = hard) for the daemon, if given

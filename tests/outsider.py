@@ -29,6 +29,7 @@ import select
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 
@@ -49,6 +50,20 @@ def main() -> None:
     found: dict = {"uid": os.getuid(), "groups": os.getgroups()}
     with Client(f"ipc://{runtime}/frontend.sock", timeout=20) as client:
         found["infer_shape"] = list(client.infer("mlp", np.ones((2, 64), np.float32)).shape)
+    if os.path.exists(f"{runtime}/local.sock"):  # the local frontend (unix://), when served
+        def ours() -> int:
+            rows = control_request(control, {"type": "status"})["status"]["daemon"]["identities"]
+            return next((row["connections"] for row in rows
+                         if row["identity"] == f"uid:{os.getuid()}"), 0)
+
+        with Client(f"unix://{runtime}/local.sock", timeout=20, shm=False) as client:
+            found["local_infer_shape"] = list(client.infer("mlp", np.ones((2, 64), np.float32)).shape)
+            during = ours()
+        # Its close is counted at once (the loop reads the hang-up); the ipc client's may lag.
+        deadline = time.monotonic() + 10
+        while ours() >= during and time.monotonic() < deadline:
+            select.select([], [], [], 0.05)
+        found["local_connection_counted_as_ours"] = during - ours() >= 1
     found["status_ready"] = [m["ready"] for m in control_request(control, {"type": "status"})["status"]["models"]]
     for command, fields in (("stop", {}), ("restart", {}), ("reload", {}),
                             ("scale", {"model": "mlp", "workers": 3}), ("stop", {"target": "mlp"})):

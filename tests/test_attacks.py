@@ -26,6 +26,7 @@ import torch
 
 from modelwarden import Client
 from modelwarden.client.client import control_request
+from modelwarden.supervisor.routing import localfront
 from tests.helpers import (ROOT, Daemon, fd_count, mlp_model, poll_until, readline_within,
                            rss_bytes, temporary_user)
 
@@ -82,9 +83,10 @@ def held_by(daemon: Daemon, uid: int) -> dict:
                 {"connections": 0, "buffers": 0, "buffer_bytes": 0})
 
 
-def shared_daemon(member, models=None, **daemon) -> Daemon:
+def shared_daemon(member, models=None, local: bool = False, **daemon) -> Daemon:
     settings = {"shm_group": member[1], **daemon}
-    started = Daemon(models or [mlp_model(workers=1, warmup=0)], daemon=settings, nofile=NOFILE)
+    started = Daemon(models or [mlp_model(workers=1, warmup=0)], daemon=settings, nofile=NOFILE,
+                     local=local)
     return started
 
 
@@ -153,6 +155,54 @@ def test_a_control_sock_flood_is_paused_and_shut_and_never_aborts_the_supervisor
             assert log.count("over its share") < 5  # once a minute per identity, with a count
         else:
             assert "new connections paused on" in log and "control.sock" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("guard", FLOOD_GUARDS)
+def test_a_local_frontend_flood_is_shut_past_its_share_or_paused_and_others_are_served(member, guard):
+    """unix:// (supervisor/routing/localfront.py): the loop accepts there itself, so a
+    connection past the member's share is accepted and closed at once; at the high-water mark
+    the listener leaves the poller and what connects waits in the kernel's backlog."""
+    with shared_daemon(member, local=True, **FLOOD_GUARDS[guard]) as daemon:
+        daemon.wait_ready()
+        open_to_group(daemon)
+        x = np.ones((1, 64), np.float32)
+        with Client(daemon.local, timeout=20, shm=False) as connected:
+            want = connected.infer("mlp", x)
+            # share: blocking connects, each reaches the daemon's accept; pause: non-blocking
+            # ones, refused EAGAIN once the listener has left the poller and its backlog is full.
+            flood = "streams" if guard == "share" else "connect"
+            with attack(member, flood, daemon.local[len("unix://"):], "1100") as found:
+                assert daemon.process.poll() is None, daemon.log()[-3000:]
+                limits = daemon.status()["daemon"]["limits"]
+                kept = found["connected"] - found["closed_by_daemon"]
+                if guard == "share":
+                    share = limits["per_identity"]["connections"]
+                    assert kept <= share and found["closed_by_daemon"] > 0, found
+                    assert held_by(daemon, member_uid(member))["connections"] <= share
+                else:
+                    # Paused at the mark: what connected since waits in the kernel's backlog and
+                    # holds no descriptor of the daemon's; the rest were refused.
+                    assert found["refused"].get("EAGAIN"), found
+                    assert kept <= limits["max_connections"] + localfront.BACKLOG, found
+                assert_within_descriptors(daemon)
+                assert np.array_equal(connected.infer("mlp", x), want)  # served throughout
+        assert_serves_locally(daemon)  # a new connection is accepted once the member has left
+        log = daemon.log()
+        assert "Too many open files" not in log
+        if guard == "share":
+            assert "refused a connection from uid" in log
+            assert log.count("refused a connection from uid") < 5  # once a minute, with a count
+        else:
+            assert "new connections paused on" in log and "local.sock" in log
+
+
+def assert_serves_locally(daemon: Daemon) -> None:
+    x = torch.arange(64 * 8, dtype=torch.float32).reshape(8, 64) / 1e3
+    with Client(daemon.endpoint, timeout=20) as ipc:
+        want = ipc.infer("mlp", x)
+    with Client(daemon.local, timeout=20) as local:
+        assert torch.equal(local.infer("mlp", x), want)
 
 
 @pytest.mark.slow

@@ -81,7 +81,7 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
     site_packages = sysconfig.get_paths()["purelib"]
     if not _reachable_by_all(Path(site_packages) / "x") or not _reachable_by_all(ROOT / "tests" / "x"):
         pytest.skip(f"{site_packages} or {ROOT} is not readable by other users")
-    with Daemon([mlp_model(workers=1)], daemon={"shm_group": group}) as daemon:
+    with Daemon([mlp_model(workers=1)], daemon={"shm_group": group}, local=True) as daemon:
         os.chmod(daemon.dir, 0o755)  # mkdtemp made it 0700: let the user reach run/
         daemon.wait_ready()
         run_dir = daemon.dir / "run"
@@ -89,6 +89,8 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
         assert os.stat(run_dir).st_gid == grp.getgrnam(group).gr_gid
         assert stat.S_IMODE(os.stat(run_dir / "private").st_mode) == 0o700
         assert stat.S_IMODE(os.lstat(run_dir / "control.sock").st_mode) == 0o660
+        assert stat.S_IMODE(os.lstat(run_dir / "local.sock").st_mode) == 0o660
+        assert os.lstat(run_dir / "local.sock").st_gid == grp.getgrnam(group).gr_gid
         assert stat.S_IMODE(os.lstat(run_dir / "private" / "admin.sock").st_mode) == 0o600
 
         result = run_as(user, group, [_python_for_others(), "-I", "-S", str(ROOT / "tests" / "outsider.py"),
@@ -98,6 +100,8 @@ def test_a_group_member_serves_and_reads_but_cannot_command_or_impersonate(outsi
 
         assert found["uid"] == pwd.getpwnam(user).pw_uid
         assert found["infer_shape"] == [2, 10]
+        assert found["local_infer_shape"] == [2, 10]  # unix://, as the member's own uid
+        assert found["local_connection_counted_as_ours"]  # as the member's uid, not the daemon's
         assert found["status_ready"] == [1]
         assert found["cli_status"]["code"] == 0, found["cli_status"]
         for command in ("stop", "restart", "reload", "scale", "stop_target"):

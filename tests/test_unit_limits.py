@@ -140,6 +140,19 @@ def test_the_guard_pauses_when_descriptors_run_low_whatever_the_count():
     assert not guard.paused
 
 
+def test_the_guard_is_paused_whenever_it_would_refuse_every_connection():
+    """At exactly the reserve free, ``can_accept`` says no: a listener the loop accepts on itself
+    (buffers.sock, unix://) must be out of the poller then, or it accepts and closes for ever."""
+    fds = {"open": 100}
+    guard = ConnectionGuard(fd_limit=1000, max_connections=None, count_fds=lambda: fds["open"])
+    guard.start(worker_slots=0)
+    fds["open"] = 1000 - guard.reserve - 1
+    guard.tick()
+    assert guard.can_accept() and not guard.paused
+    guard.charge(1)  # one more accepted: nothing above the reserve is left
+    assert not guard.can_accept() and guard.paused
+
+
 def test_failed_handshakes_are_logged_once_a_minute_per_endpoint(caplog):
     now = [100.0]
     guard = ConnectionGuard(fd_limit=1024, max_connections=None, count_fds=lambda: 10,

@@ -172,6 +172,20 @@ def test_a_frame_that_does_not_parse_breaks_the_link_after_the_messages_before_i
     assert receiver.receive() == []  # nothing more is read
 
 
+def test_a_link_reading_a_client_refuses_more_parts_than_its_bound_and_grows_only_for_a_message():
+    """The local frontend's links (supervisor/routing/localfront.py): at most ``max_parts``
+    parts, and a small read buffer that grows to hold one small message whole."""
+    receiver, sender = pair(max_parts=4, buffer_bytes=1024, send_buffer=None)
+    parts = [b"x" * 3000, b"y", b"z" * 100, b""]
+    sender.send(parts, True)
+    assert receive_all(receiver, 1) == [parts]
+    assert 3000 < len(receiver.buffer) < SMALL_BELOW
+    sender.send([b"p"] * 5, True)
+    select.select([receiver.fd], [], [], 5)
+    assert receiver.receive() == []
+    assert receiver.broken and "a message of 5 parts" in receiver.error
+
+
 def test_a_closed_peer_is_eof_once_what_it_wrote_is_read():
     sender, receiver = pair()
     sender.send([b"last words"], True)

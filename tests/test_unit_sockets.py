@@ -336,3 +336,28 @@ def test_a_tracked_frame_is_given_to_libzmq_itself_however_small(tmp_path):
         dealer.close()
         router.close()
         context.term()
+
+
+def test_a_descriptor_not_wanted_for_reading_is_reported_only_when_writable_or_hung_up():
+    """Poller.want_read: a local client's connection whose replies back up is not read
+    (supervisor/routing/localfront.py); a level-triggered poll would report it at once, for ever."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    poller = sockets.Poller()
+    poller.register(ours.fileno())
+    theirs.send(b"a request")
+    assert poller.poll(0) == [ours.fileno()]
+    poller.want_read(ours.fileno(), False)
+    assert poller.poll(0) == []  # readable, but not wanted
+    poller.want_write(ours.fileno(), True)
+    assert poller.poll(0) == [ours.fileno()]  # writable
+    poller.want_write(ours.fileno(), False)
+    poller.want_read(ours.fileno(), True)
+    assert poller.poll(0) == [ours.fileno()]  # read again
+    poller.want_read(ours.fileno(), False)
+    theirs.close()
+    assert poller.poll(0) == [ours.fileno()]  # the peer's close is reported all the same
+    poller.unregister(ours.fileno())
+    assert poller.poll(0) == [] and not poller.muted
+    ours.close()

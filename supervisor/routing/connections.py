@@ -300,7 +300,7 @@ class ConnectionGuard:
         """``count`` descriptors were just opened for an outsider (a connection accepted by the
         loop, descriptors received): at the mark, pause before the next one."""
         self.open += count
-        if not self.paused and self._free() < self.reserve:
+        if not self.paused and self._free() <= self.reserve:
             self._pause()
 
     def refund(self, count: int) -> None:
@@ -390,7 +390,9 @@ class ConnectionGuard:
 
     def _decide(self) -> None:
         if not self.paused:
-            if self.connections >= self.high_water or self._free() < self.reserve:
+            # No descriptor left above the reserve is the mark too: ``can_accept`` refuses every
+            # connection there, and a listener left in the poller would accept and close each.
+            if self.connections >= self.high_water or self._free() <= self.reserve:
                 self._pause()
         elif (self.connections <= self.low_water
               and self._free() >= self.reserve + self.high_water - self.low_water):

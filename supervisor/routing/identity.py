@@ -54,7 +54,7 @@ IPC, TCP, CURVE = "ipc", "tcp", "curve"  # how a frontend's peers are known
 
 
 def transport_of(endpoint: str, curve: bool) -> str:
-    if endpoint.startswith("ipc://"):
+    if endpoint.startswith(("ipc://", "unix://")):  # unix://: the loop's own, SO_PEERCRED
         return IPC
     return CURVE if curve else TCP
 

@@ -9,8 +9,9 @@ mutations keep that structure), otherwise ``[SIGNATURE, input]``, a bare header 
 message goes through what the supervisor does to a client's frames (frame and byte limits,
 the envelope, the strict header parse, the infer header's schema, frame lengths, str/bytes
 elements) and what a client does to a daemon's reply (split, the reply's schema, its elements).
-The input's raw bytes are also what a worker wrote on its link (shared/link.py): read by the
-supervisor's end and by a worker's, they must give the same messages, the same end (the peer's
+The input's raw bytes are also what a peer wrote on a link (shared/link.py): read by the
+supervisor's end of a worker link, by a worker's end, and by a local frontend's connection
+reading a client (``unix://``), they must give the same messages, the same end (the peer's
 close) and the same refusal compiled and uncompiled.
 The only acceptable outcome of bad bytes is ProtocolError (InternalError from the client's
 splitter): anything else raised, a hang (libFuzzer's -timeout) or a crash of the process is a
@@ -56,6 +57,7 @@ import socket  # noqa: E402
 from modelwarden.shared import descriptors, link, mpack, protocol  # noqa: E402  (as installed: compiled)
 from modelwarden.shared.errors import InternalError  # noqa: E402
 from modelwarden.supervisor.routing import limits  # noqa: E402
+from modelwarden.supervisor.routing.localfront import BUFFER_BYTES as LOCAL_BUFFER_BYTES  # noqa: E402
 
 ROOT = HERE.parent.parent
 # The uncompiled copy, in import order: each module's imports of the others are renamed.
@@ -226,14 +228,23 @@ def result_reader_agrees(frames: list[bytes]) -> None:
             raise AssertionError(f"read_result gives {found!r}, the full decode {decoded!r}")
 
 
-def as_link_stream(path: types.SimpleNamespace, data: bytes, writable: bool) -> tuple:
-    """What one end of a worker link reads of ``data``, written by its peer, which then closes:
-    the messages (each part's bytes), whether it saw the close, and its refusal if any."""
+# The link kinds that read untrusted bytes: (writable, the Link's bounds). The supervisor's end
+# of a worker link, a worker's end, and a local frontend's connection reading a client
+# (supervisor/routing/localfront.py: at most MAX_FRAMES parts, a small buffer that grows).
+LINK_KINDS = {"supervisor": (False, {}), "worker": (True, {}),
+              "local client": (False, {"max_parts": limits.MAX_FRAMES,
+                                       "buffer_bytes": LOCAL_BUFFER_BYTES, "send_buffer": None})}
+
+
+def as_link_stream(path: types.SimpleNamespace, data: bytes, kind: str) -> tuple:
+    """What one end of a link of ``kind`` reads of ``data``, written by its peer, which then
+    closes: the messages (each part's bytes), whether it saw the close, and its refusal if any."""
+    writable, bounds = LINK_KINDS[kind]
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         theirs.sendall(data)  # at most -max_len bytes: the socket's buffer takes them whole
         theirs.close()
-        end = path.link.Link(ours, writable=writable, max_bytes=MAX_BYTES)
+        end = path.link.Link(ours, writable=writable, max_bytes=MAX_BYTES, **bounds)
         messages = []
         for _ in range(1000):  # every read makes progress; a loop that does not is a finding
             messages += [[bytes(part) for part in message] for message in end.receive()]
@@ -245,11 +256,11 @@ def as_link_stream(path: types.SimpleNamespace, data: bytes, writable: bool) -> 
 
 
 def one_input(data: bytes) -> None:
-    for writable in (False, True):
-        compiled = as_link_stream(COMPILED_PATH, data, writable)
-        pure = as_link_stream(PURE, data, writable)
+    for kind in LINK_KINDS:
+        compiled = as_link_stream(COMPILED_PATH, data, kind)
+        pure = as_link_stream(PURE, data, kind)
         if compiled != pure:
-            raise AssertionError(f"link (writable={writable}): compiled {compiled!r} but "
+            raise AssertionError(f"link ({kind}): compiled {compiled!r} but "
                                  f"uncompiled {pure!r}")
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):

@@ -1,0 +1,181 @@
+"""One connection to a daemon's ``unix://`` frontend (supervisor/routing/localfront.py).
+
+A Unix stream socket framed as a worker link (shared/link.py), carrying the messages a DEALER
+would (``[signature, header, payload...]``), with no ZeroMQ: no I/O thread on either side, so a
+request costs the client a ``sendmsg`` and its reply a ``recv``. Client, its ``submit`` thread
+and AsyncClient (client/client.py) each hold one, as they would a DEALER.
+
+Differences from a DEALER that callers handle:
+
+* Connecting happens when the first message is sent, and again after the daemon closed the
+  connection (it stopped or restarted). A socket file that is missing or refuses (a daemon
+  starting) is tried again until the caller's deadline; one this process may not reach is a
+  PermissionError at once (client/ipcaccess.py says who may).
+* Sending never waits: what the socket does not take waits in the link's queue and is written
+  when the socket is writable (``flush``). The daemon stops reading a connection whose replies
+  back up, so a caller waiting to write must read meanwhile: ``receive`` does both.
+* A closed connection is known at once (``lost``): the requests it carried get no reply, and
+  the clients fail them with ConnectionLost instead of waiting for their deadlines.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections import deque
+from pathlib import Path
+
+from modelwarden.client.ipcaccess import who_may
+from modelwarden.shared.errors import NoDaemon
+from modelwarden.shared.link import Link
+
+SCHEME = "unix://"
+_POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
+_RETRY_FIRST_S, _RETRY_MAX_S = 0.005, 0.1  # connecting to a daemon that is (re)starting
+
+
+def is_local(endpoint: str) -> bool:
+    return endpoint.startswith(SCHEME)
+
+
+class LocalConnection:
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.path = endpoint[len(SCHEME):]
+        self.link: Link | None = None
+        self.inbox: deque = deque()  # messages read while waiting to write
+        self.lost = 0  # connections the daemon closed
+        self._poll = select.poll()
+
+    # -- connecting ----------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self.link is not None
+
+    def try_connect(self) -> bool:
+        """Connect now if not connected; False when nothing listens at the path yet."""
+        if self.link is not None:
+            return True
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.connect(self.path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            return False
+        except PermissionError:
+            sock.close()
+            raise PermissionError(f"permission denied: {self.path} "
+                                  f"({who_may(Path(self.path))})") from None
+        except BaseException:
+            sock.close()
+            raise
+        self.link = Link(sock)
+        self._poll.register(self.link.fd, _POLLIN)
+        return True
+
+    def connect(self, deadline: float) -> None:
+        """Connect, trying again while the daemon is not listening, until ``deadline``
+        (monotonic seconds); NoDaemon then."""
+        delay = _RETRY_FIRST_S
+        while not self.try_connect():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise NoDaemon(f"no daemon listening at {self.path} (is it running? is this "
+                               "its frontend?)")
+            time.sleep(min(delay, left))  # a client waiting for a daemon to come up
+            delay = min(delay * 2, _RETRY_MAX_S)
+
+    def ensure(self, deadline: float) -> None:
+        """Connected, on a connection the daemon has not closed (``connect``). A close is seen
+        only by reading: what the socket holds is read first (stale replies go to ``inbox``),
+        so a request is never written into a connection that is already gone."""
+        if self.link is not None:
+            self.pump(0)
+        if self.closed_by_peer:
+            self.drop()
+        self.connect(deadline)
+
+    def drop(self) -> None:
+        """Forget a connection the daemon closed (the next send connects again)."""
+        if self.link is not None:
+            self._poll.unregister(self.link.fd)
+            self.link.close()
+            self.link = None
+            self.lost += 1
+
+    @property
+    def closed_by_peer(self) -> bool:
+        link = self.link
+        return link is not None and (link.eof or link.broken)
+
+    # -- messages ------------------------------------------------------------------------------
+
+    def send(self, messages: list[list]) -> bool:
+        """Queue each message (connected already: ``connect``); False, as a DEALER's
+        Connection.send says when its socket was not replaced."""
+        link = self.link
+        for parts in messages:
+            link.send(parts)
+        self._want_write(bool(link.out))
+        return False
+
+    def flush(self) -> None:
+        """Write what waits (the socket is writable)."""
+        link = self.link
+        if link is not None and link.out:
+            link.flush()
+            self._want_write(bool(link.out))
+
+    def take(self) -> list:
+        """The messages read so far (``pump``, ``read``), each once."""
+        messages = list(self.inbox)
+        self.inbox.clear()
+        return messages
+
+    def read(self) -> None:
+        """Read what the socket holds now into ``inbox`` (the socket is readable); the daemon's
+        close shows as ``closed_by_peer``."""
+        if self.link is not None:
+            self.inbox.extend(self.link.receive())
+
+    def receive(self, timeout_s: float) -> list | None:
+        """One message, or None when none came within the timeout (or the daemon closed the
+        connection: ``closed_by_peer``). Writes what waits meanwhile."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while not self.inbox and self.link is not None and not self.closed_by_peer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.pump(max(1, int(left * 1000)))
+        return self.inbox.popleft() if self.inbox else None
+
+    def watch_also(self, fd: int) -> None:
+        """Have ``pump`` wait for ``fd`` to be readable too (the submit thread's wake-up pipe)."""
+        self._poll.register(fd, _POLLIN)
+
+    def pump(self, timeout_ms: int | None) -> set:
+        """Wait up to ``timeout_ms`` (None: for ever) for the socket or the descriptors of
+        ``watch_also``: what waits is written when the socket is writable, and what arrived is
+        read into ``inbox``. The other descriptors found ready."""
+        others = set()
+        link = self.link
+        for fd, events in self._poll.poll(timeout_ms):
+            if link is None or fd != link.fd:
+                others.add(fd)
+                continue
+            if events & _POLLOUT:
+                self.flush()
+            if events & ~_POLLOUT:  # readable, or hung up: the link's receive says which
+                self.inbox.extend(link.receive())
+        return others
+
+    def _want_write(self, wanted: bool) -> None:
+        self._poll.modify(self.link.fd, _POLLIN | (_POLLOUT if wanted else 0))
+
+    def close(self) -> None:
+        if self.link is not None:
+            self._poll.unregister(self.link.fd)
+            self.link.close()
+            self.link = None
