@@ -13,6 +13,9 @@ each number once. This measures them N times, in turns, and states the medians:
   it: the supervisor's CPU per request (user + system, every thread, /proc/PID/stat), as
   bench/serving.py measures it, the requests/s its clients were served, and the CPU per request
   of the load generator's process and of the workers (where the rest of the cores went);
+* the same two points for this checkout's clients on the local frontend (``unix://``,
+  supervisor/routing/localfront.py: no libzmq I/O thread between the client and the loop),
+  on a daemon serving both frontends, measured over ``unix://`` (rows ``this off unix``...);
 * in the same round, the floor: a C ``zmq.proxy`` broker's CPU per 1 KiB request at 8 in flight
   (ROUTER -> DEALER, REQ clients, REP echoes: bench/payloads.py's ``bench_proxy_cpu``);
 * with ``--against``, the same two points for another checkout compiled in place (``git
@@ -22,10 +25,11 @@ each number once. This measures them N times, in turns, and states the medians:
   process of that copy measures: the daemon, its workers and the load generator's client all on
   the uncompiled path. (With ``--against`` the load generator is this process's client.)
 
-Prints every round, then per build and batching setting the median CPU per request, the median
-of the rounds' ratios to the floor, and the requests/s one supervisor core routes at the median
-(1e6 / µs); then issue 24's targets (batching off <= 2.5x the floor, on <= 1.5x; one core
-routes >= 25,000 and >= 50,000 requests/s), MET or MISS, and with ``--against`` this build's
+Prints every round, then per build, batching setting and transport the median CPU per request,
+the median of the rounds' ratios to the floor, and the requests/s one supervisor core routes at
+the median (1e6 / µs); then issue 24's targets (batching off <= 2.5x the floor, on <= 1.5x; one
+core routes >= 25,000 and >= 50,000 requests/s) over ipc:// and over unix://, MET or MISS, and
+with ``--against`` this build's
 median CPU over the other's and the median of the rounds' ratios of requests/s served (issue
 24: >= 1.5x with batching on, against the uncompiled path or the checkout before the change). ``--json`` writes it all.
 """
@@ -62,19 +66,27 @@ TARGETS = {"off": (2.5, 25_000), "on": (1.5, 50_000)}
 SERVED_OVER_BEFORE = {"on": 1.5}
 # A point's numbers besides the supervisor's CPU, each a row key "<tree> <config> <part>"
 POINT_PARTS = ("served", "client", "workers")
+LOCAL = "unix"  # a point over the local frontend: "this <config> unix"
 
 
 def supervisor_point(workdir: Path, tree: Path, batching: dict | None,
-                     timing: serving.Timing) -> dict:
+                     timing: serving.Timing, local: bool = False) -> dict:
     """What ``tree`` serving W1 at IN_FLIGHT did, on a daemon started for this point alone:
     ``cpu`` the supervisor's CPU per request (µs), ``served`` the requests/s the clients were
     served, and the CPU per request of the ``client`` (this process: the load generator and
-    its client) and of the ``workers`` (both, together)."""
+    its client) and of the ``workers`` (both, together). ``local``: the clients on the
+    daemon's ``unix://`` frontend instead of its ``ipc://`` one."""
     workloads = serving.make_workloads(["W1"])
     text = serving.mw_config_text(workdir / "run", workloads, batching).replace(
         f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
+    unix = f"unix://{workdir}/run/local.sock"
+    if local:
+        text = text.replace("[daemon]\n", f'[daemon]\nfrontend = ["ipc://{workdir}/run/frontend.sock", '
+                            f'"{unix}"]\n', 1)
     daemon, endpoint = serving.start_daemon(workdir, "ceiling", text, {"w1": workloads["W1"]},
                                             tree=tree)
+    if local:
+        endpoint = unix
     try:
         result = serving.mw_point(endpoint, "w1", workloads["W1"], IN_FLIGHT, timing, daemon.pid,
                                   split=True)
@@ -134,6 +146,11 @@ def run_rounds(trees: dict[str, Path], rounds: int, timing: serving.Timing,
                     row[f"{name} {config}"] = point["cpu"]
                     for part in POINT_PARTS:
                         row[f"{name} {config} {part}"] = point[part]
+            for config, batching in CONFIGS:  # this checkout's clients on unix://
+                point = supervisor_point(workdir, ROOT, batching, timing, local=True)
+                row[f"this {config} {LOCAL}"] = point["cpu"]
+                for part in POINT_PARTS:
+                    row[f"this {config} {LOCAL} {part}"] = point[part]
             row["floor"] = bench_proxy_cpu(workdir, spawn, floor_requests)[FLOOR_IN_FLIGHT]["proxy_cpu_us"]
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -144,39 +161,49 @@ def run_rounds(trees: dict[str, Path], rounds: int, timing: serving.Timing,
     return out
 
 
+def point_keys(rows: list[dict], trees: dict[str, Path]) -> list[str]:
+    """The points the rows measured: each build and setting over ipc://, and this build's over
+    unix:// (``this off unix``...) where the rows have them."""
+    keys = [f"{name} {config}" for name in trees for config, _ in CONFIGS]
+    return keys + [f"this {config} {LOCAL}" for config, _ in CONFIGS
+                   if f"this {config} {LOCAL}" in rows[0]]
+
+
 def summarise(rows: list[dict], trees: dict[str, Path]) -> dict:
-    """Per build and setting: the median CPU per request, the median of the rounds' ratios to
-    their floor, and what one core routes at that median."""
+    """Per build, setting and transport: the median CPU per request, the median of the rounds'
+    ratios to their floor, and what one core routes at that median."""
     summary = {"floor_us": statistics.median(row["floor"] for row in rows)}
-    for name in trees:
-        for config, _ in CONFIGS:
-            key = f"{name} {config}"
-            cpu = [row[key] for row in rows]
-            ratios = [row[key] / row["floor"] for row in rows]
-            summary[key] = {"cpu_us": cpu, "median_us": statistics.median(cpu),
-                            "ratios": [round(value, 3) for value in ratios],
-                            "median_ratio": round(statistics.median(ratios), 3),
-                            "requests_per_s": round(1e6 / statistics.median(cpu)),
-                            "served": [row[f"{key} served"] for row in rows],
-                            "median_served": statistics.median(row[f"{key} served"] for row in rows),
-                            # where the rest of the 2 cores went, per request (µs)
-                            "median_client_us": statistics.median(row[f"{key} client"] for row in rows),
-                            "median_workers_us": statistics.median(row[f"{key} workers"] for row in rows)}
+    for key in point_keys(rows, trees):
+        cpu = [row[key] for row in rows]
+        ratios = [row[key] / row["floor"] for row in rows]
+        summary[key] = {"cpu_us": cpu, "median_us": statistics.median(cpu),
+                        "ratios": [round(value, 3) for value in ratios],
+                        "median_ratio": round(statistics.median(ratios), 3),
+                        "requests_per_s": round(1e6 / statistics.median(cpu)),
+                        "served": [row[f"{key} served"] for row in rows],
+                        "median_served": statistics.median(row[f"{key} served"] for row in rows),
+                        # where the rest of the 2 cores went, per request (µs)
+                        "median_client_us": statistics.median(row[f"{key} client"] for row in rows),
+                        "median_workers_us": statistics.median(row[f"{key} workers"] for row in rows)}
     return summary
 
 
 def targets(summary: dict, rows: list[dict], against: bool) -> list[dict]:
     report = []
     for config, (bound, ceiling) in TARGETS.items():
+        for suffix, over in (("", ""), (f" {LOCAL}", ", clients over unix://")):
+            ours = summary.get(f"this {config}{suffix}")
+            if ours is None:
+                continue
+            report.append({"target": f"supervisor CPU / C proxy CPU at {FLOOR_IN_FLIGHT} in "
+                                     f"flight, batching {config}{over} (median of the rounds)",
+                           "value": ours["median_ratio"], "op": "<=", "bound": bound,
+                           "met": ours["median_ratio"] <= bound})
+            report.append({"target": f"requests/s one supervisor core routes, batching "
+                                     f"{config}{over} (at the median CPU)",
+                           "value": ours["requests_per_s"], "op": ">=", "bound": ceiling,
+                           "met": ours["requests_per_s"] >= ceiling})
         ours = summary[f"this {config}"]
-        report.append({"target": f"supervisor CPU / C proxy CPU at {FLOOR_IN_FLIGHT} in flight, "
-                                 f"batching {config} (median of the rounds)",
-                       "value": ours["median_ratio"], "op": "<=", "bound": bound,
-                       "met": ours["median_ratio"] <= bound})
-        report.append({"target": f"requests/s one supervisor core routes, batching {config} "
-                                 "(at the median CPU)",
-                       "value": ours["requests_per_s"], "op": ">=", "bound": ceiling,
-                       "met": ours["requests_per_s"] >= ceiling})
         if against:
             theirs = summary[f"against {config}"]
             report.append({"target": f"this build's median CPU / the other's, batching {config}",
@@ -191,6 +218,12 @@ def targets(summary: dict, rows: list[dict], against: bool) -> list[dict]:
                                      f"batching {config} (median of the rounds' ratios)",
                            "value": round(served, 3), "op": ">=" if bound else "", "bound": bound,
                            "met": served >= bound if bound else None})
+            if f"this {config} {LOCAL}" in summary:  # stated beside it: a transport, not a build
+                served = statistics.median(row[f"this {config} {LOCAL} served"]
+                                           / row[f"against {config} served"] for row in rows)
+                report.append({"target": f"W1@{IN_FLIGHT} requests/s served, this build over "
+                                         f"unix:// / the other over ipc://, batching {config}",
+                               "value": round(served, 3), "op": "", "bound": None, "met": None})
     return report
 
 
@@ -240,14 +273,15 @@ def main(argv=None) -> int:
     summary = summarise(rows, trees)
     report = targets(summary, rows, "against" in trees)
     print(f"\nthe floor, median: {summary['floor_us']} us per request")
-    for name, tree in trees.items():
-        for config, _ in CONFIGS:
-            row = summary[f"{name} {config}"]
-            print(f"{name} ({tree}), batching {config}: median {row['median_us']} us per request, "
-                  f"{row['median_ratio']}x the floor (rounds: {row['ratios']}); one core routes "
-                  f"about {row['requests_per_s']:,} requests/s; served {row['median_served']:,} "
-                  f"requests/s (rounds: {row['served']}); CPU per request elsewhere: client "
-                  f"{row['median_client_us']} us, workers {row['median_workers_us']} us")
+    for key in point_keys(rows, trees):
+        row = summary[key]
+        name, config, *over = key.split()
+        print(f"{name} ({trees[name]}), batching {config}{' over unix://' if over else ''}: "
+              f"median {row['median_us']} us per request, "
+              f"{row['median_ratio']}x the floor (rounds: {row['ratios']}); one core routes "
+              f"about {row['requests_per_s']:,} requests/s; served {row['median_served']:,} "
+              f"requests/s (rounds: {row['served']}); CPU per request elsewhere: client "
+              f"{row['median_client_us']} us, workers {row['median_workers_us']} us")
     for line in report:
         verdict = "----" if line["met"] is None else ("MET " if line["met"] else "MISS")
         bound = f" (target {line['op']} {line['bound']:,})" if line["bound"] is not None else ""

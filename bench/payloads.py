@@ -10,6 +10,7 @@ Paths measured:
   mw-shm-fresh    modelwarden, shared memory, an ordinary tensor per call (one copy in)
   mw-shm-zero     modelwarden, shared memory, a tensor from client.empty() reused (no copy)
   mw-inline       modelwarden, inline ZeroMQ frames (shared memory off)
+  mw-local        modelwarden on its local frontend (unix://: no ZeroMQ), shared memory on
   zmq-reqrep      bare pyzmq REQ/REP between two processes
   zmq-proxy       the same through a C-level zmq.proxy(ROUTER, DEALER) broker process
   py-broker       the same through the smallest Python broker (a poll loop forwarding frames
@@ -23,7 +24,7 @@ Paths measured:
 The targets compare against the faster of memcpy and copy-threads.
 
 After the table comes "where the time goes": the CPU time (user + system, all threads) that the
-client, the supervisor and the worker each spend per 1 KiB request.
+client, the supervisor and the worker each spend per 1 KiB request, over ipc:// and over unix://.
 """
 
 from __future__ import annotations
@@ -237,6 +238,10 @@ def cpu_only(quick: bool) -> int:
             for _ in range(200):
                 client.infer("identity", payload(SIZES["1KiB"]))
             row = cpu_per_request(daemon.pid, workdir, client, count=600 if quick else 3000)
+        with Client(f"unix://{workdir}/run/local.sock") as client:  # the local frontend
+            for _ in range(200):
+                client.infer("identity", payload(SIZES["1KiB"]))
+            row["unix"] = cpu_per_request(daemon.pid, workdir, client, count=600 if quick else 3000)
         row["request_path"] = compiled.summary()
         print(json.dumps(row))
     finally:
@@ -310,6 +315,7 @@ def bench_local(sizes, iterations) -> dict:
 CONFIG = """
 [daemon]
 runtime_dir = "{runtime}"
+frontend = ["ipc://{runtime}/frontend.sock", "unix://{runtime}/local.sock"]
 heartbeat_interval = 1.0
 log_level = "WARNING"
 python_path = ["{root}"]
@@ -357,9 +363,10 @@ def bench_modelwarden(workdir: Path, sizes, iterations) -> dict:
 
     daemon = start_daemon(workdir)
     endpoint = f"ipc://{workdir}/run/frontend.sock"
-    results = {"mw-shm-fresh": {}, "mw-shm-zero": {}, "mw-inline": {}}
+    results = {"mw-shm-fresh": {}, "mw-shm-zero": {}, "mw-inline": {}, "mw-local": {}}
     try:
-        with Client(endpoint) as shared, Client(endpoint, shm=False) as inline:
+        with Client(endpoint) as shared, Client(endpoint, shm=False) as inline, \
+                Client(f"unix://{workdir}/run/local.sock") as local:
             for size, nbytes in sizes.items():
                 x = payload(nbytes)
                 zero = shared.empty(x.shape)
@@ -367,10 +374,13 @@ def bench_modelwarden(workdir: Path, sizes, iterations) -> dict:
                 results["mw-shm-fresh"][size] = measure(lambda: shared.infer("identity", x), iterations[size])
                 results["mw-shm-zero"][size] = measure(lambda: shared.infer("identity", zero), iterations[size])
                 results["mw-inline"][size] = measure(lambda: inline.infer("identity", x), iterations[size])
-                check = shared.infer("identity", x)
-                if not torch.equal(check, x):
-                    raise AssertionError(f"identity changed the payload at {size}")
+                # the local frontend (unix://): shared memory as on ipc://, no ZeroMQ
+                results["mw-local"][size] = measure(lambda: local.infer("identity", x), iterations[size])
+                for client in (shared, local):
+                    if not torch.equal(client.infer("identity", x), x):
+                        raise AssertionError(f"identity changed the payload at {size}")
             results["cpu-per-request"] = cpu_per_request(daemon.pid, workdir, shared)
+            results["cpu-per-request-local"] = cpu_per_request(daemon.pid, workdir, local)
     finally:
         daemon.terminate()
         daemon.wait(30)
@@ -487,12 +497,18 @@ def main() -> int:
                       for n, row in floor.items())
           + f"; our supervisor, sequential: {cpu['supervisor_us'] / floor['1']['proxy_cpu_us']:.2f}x "
             "the floor at 1 in flight")
+    local = results["cpu-per-request-local"]
+    print(f"the same over unix:// (the local frontend, {local['wall_us']} us wall): CPU client "
+          f"{local['client_us']} us, supervisor {local['supervisor_us']} us, worker "
+          f"{local['worker_us']} us")
     uncompiled = results["cpu-per-request-uncompiled"]
     if isinstance(uncompiled, dict):
-        print("compiled / uncompiled request path, CPU per 1 KiB round trip (same run): "
-              + ", ".join(f"{who} {cpu[f'{who}_us'] / uncompiled[f'{who}_us']:.2f}x"
-                          for who in ("client", "supervisor", "worker"))
-              + f", wall {cpu['wall_us'] / uncompiled['wall_us']:.2f}x")
+        for name, ours in (("", cpu), (" over unix://", local)):
+            print(f"compiled{name} / uncompiled request path over ipc://, CPU per 1 KiB round "
+                  "trip (same run): "
+                  + ", ".join(f"{who} {ours[f'{who}_us'] / uncompiled[f'{who}_us']:.2f}x"
+                              for who in ("client", "supervisor", "worker"))
+                  + f", wall {ours['wall_us'] / uncompiled['wall_us']:.2f}x")
     else:
         print(f"compiled / uncompiled: not measured ({uncompiled})")
     print()

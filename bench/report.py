@@ -613,6 +613,7 @@ PAYLOAD_PATHS = {
     "mw-shm-fresh": "modelwarden, shared memory, an ordinary tensor",
     "mw-shm-zero": "modelwarden, shared memory, `client.empty()`",
     "mw-inline": "modelwarden, inline frames",
+    "mw-local": "modelwarden over `unix://` (no ZeroMQ)",
     "zmq-reqrep": "bare pyzmq REQ/REP",
     "zmq-proxy": "through a C `zmq.proxy` broker",
     "py-broker": "through the smallest Python broker (parses nothing)",

@@ -120,6 +120,9 @@ def test_a_quick_ceiling_round_measures_the_supervisor_and_the_floor(tmp_path):
                for config in ("off", "on") for part in ("client", "workers"))
     assert result["against_uncompiled"] is True
     assert result["summary"]["this off"]["ratios"] == [round(row["this off"] / row["floor"], 3)]
-    assert len(result["targets"]) == 8
+    # this build's clients over unix:// too (the local frontend), in the same round
+    assert row["this off unix"] > 0 and row["this on unix served"] > 0
+    assert len(result["targets"]) == 14
+    assert "requests/s one supervisor core routes, batching off, clients over unix://" in done.stdout
     assert "W1@64 requests/s served, this build / the other, batching on" in done.stdout
     assert "supervisor CPU / C proxy CPU at 8 in flight, batching off" in done.stdout

@@ -79,6 +79,12 @@ def closed_by_daemon(sock: socket.socket, timeout: float = 15.0) -> bool:
     return True
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system time of every thread of ``pid`` so far (/proc/PID/stat)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def own_connections(daemon: Daemon) -> int:
     rows = daemon.status()["daemon"]["identities"]
     return next((row["connections"] for row in rows if row["identity"] == f"uid:{os.geteuid()}"), 0)
@@ -187,6 +193,11 @@ def test_a_client_that_never_reads_is_not_read_either_and_each_request_it_sent_i
         assert sent < 50_000, "the daemon kept reading a client that reads none of its replies"
         with Client(daemon.local, timeout=30) as bystander:  # everyone else is served meanwhile
             assert bystander.infer("mlp", torch.ones(1, 64)).shape == (1, 10)
+        # Nor is it polled for reading: a level-triggered poll would wake the loop at once, for
+        # ever. One second of wall time is the measurement's window, not a synchronisation.
+        before = cpu_seconds(daemon.process.pid)
+        time.sleep(1.0)
+        assert cpu_seconds(daemon.process.pid) - before < 0.5, "the supervisor's loop spins"
         ids = read_all_while_writing(sock, rest, sent)
     finally:
         sock.close()
