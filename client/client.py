@@ -322,8 +322,9 @@ def _send(connection: _Connection | LocalConnection, messages: list, timeout: fl
     """Queue ``messages``; a unix:// connection is made first (or again, after the daemon
     closed it), waiting up to ``timeout`` for a daemon that is starting."""
     if type(connection) is LocalConnection:
-        connection.ensure(_now() + timeout)
-    connection.send(messages)
+        connection.deliver(messages, _now() + timeout)
+    else:
+        connection.send(messages)
 
 
 def _lost(endpoint: str) -> ConnectionLost:
@@ -479,8 +480,10 @@ class _LocalIOThread(_IOThread):
     def _deliver(self, connection: LocalConnection, messages: list, timeout: float) -> None:
         if connection.closed_by_peer:  # what it carried fails before another one is made
             self._take_replies(connection)
-        connection.connect(_now() + timeout)
-        connection.send(messages)
+        lost = connection.lost
+        connection.deliver(messages, _now() + timeout)
+        if connection.lost != lost:  # it was closed after all: what waited on it fails
+            self._lose_waiting()
 
     def _take_replies(self, connection: LocalConnection) -> None:
         for frames in connection.take():

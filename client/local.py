@@ -40,19 +40,18 @@ def is_local(endpoint: str) -> bool:
 
 
 class LocalConnection:
+    """Compiled, an extension type (local.pxd) whose calls into its link are C calls."""
+
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.path = endpoint[len(SCHEME):]
         self.link: Link | None = None
         self.inbox: deque = deque()  # messages read while waiting to write
         self.lost = 0  # connections the daemon closed
+        self.writing = False  # the socket is watched for writing: bytes wait in the link
         self._poll = select.poll()
 
     # -- connecting ----------------------------------------------------------------------------
-
-    @property
-    def connected(self) -> bool:
-        return self.link is not None
 
     def try_connect(self) -> bool:
         """Connect now if not connected; False when nothing listens at the path yet."""
@@ -72,6 +71,7 @@ class LocalConnection:
             sock.close()
             raise
         self.link = Link(sock)
+        self.writing = False
         self._poll.register(self.link.fd, _POLLIN)
         return True
 
@@ -87,15 +87,18 @@ class LocalConnection:
             time.sleep(min(delay, left))  # a client waiting for a daemon to come up
             delay = min(delay * 2, _RETRY_MAX_S)
 
-    def ensure(self, deadline: float) -> None:
-        """Connected, on a connection the daemon has not closed (``connect``). A close is seen
-        only by reading: what the socket holds is read first (stale replies go to ``inbox``),
-        so a request is never written into a connection that is already gone."""
-        if self.link is not None:
-            self.pump(0)
+    def deliver(self, messages: list, deadline: float) -> None:
+        """Send ``messages`` (connected first: ``connect``). A connection the daemon has closed
+        is seen when a write fails (EPIPE: nothing of that message went out) or when its close is
+        read: either way a new one is made, and the messages go there."""
         if self.closed_by_peer:
             self.drop()
         self.connect(deadline)
+        self.send(messages)
+        if self.link.broken:
+            self.drop()
+            self.connect(deadline)
+            self.send(messages)
 
     def drop(self) -> None:
         """Forget a connection the daemon closed (the next send connects again)."""
@@ -112,13 +115,14 @@ class LocalConnection:
 
     # -- messages ------------------------------------------------------------------------------
 
-    def send(self, messages: list[list]) -> bool:
+    def send(self, messages: list) -> bool:
         """Queue each message (connected already: ``connect``); False, as a DEALER's
         Connection.send says when its socket was not replaced."""
         link = self.link
         for parts in messages:
             link.send(parts)
-        self._want_write(bool(link.out))
+        if bool(link.out) != self.writing:
+            self._want_write(not self.writing)
         return False
 
     def flush(self) -> None:
@@ -126,7 +130,8 @@ class LocalConnection:
         link = self.link
         if link is not None and link.out:
             link.flush()
-            self._want_write(bool(link.out))
+            if not link.out:
+                self._want_write(False)
 
     def take(self) -> list:
         """The messages read so far (``pump``, ``read``), each once."""
@@ -155,7 +160,7 @@ class LocalConnection:
         """Have ``pump`` wait for ``fd`` to be readable too (the submit thread's wake-up pipe)."""
         self._poll.register(fd, _POLLIN)
 
-    def pump(self, timeout_ms: int | None) -> set:
+    def pump(self, timeout_ms) -> set:
         """Wait up to ``timeout_ms`` (None: for ever) for the socket or the descriptors of
         ``watch_also``: what waits is written when the socket is writable, and what arrived is
         read into ``inbox``. The other descriptors found ready."""
@@ -172,6 +177,7 @@ class LocalConnection:
         return others
 
     def _want_write(self, wanted: bool) -> None:
+        self.writing = wanted
         self._poll.modify(self.link.fd, _POLLIN | (_POLLOUT if wanted else 0))
 
     def close(self) -> None:

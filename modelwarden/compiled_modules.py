@@ -37,6 +37,7 @@ COMPILED: dict[str, str] = {
     "modelwarden.client.session": "client/session.py",
     "modelwarden.client.client": "client/client.py",
     "modelwarden.client.connection": "client/connection.py",
+    "modelwarden.client.local": "client/local.py",
     "modelwarden.worker.serve": "worker/serve.py",
     "modelwarden.worker.pipeline": "worker/pipeline.py",
 }
