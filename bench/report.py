@@ -771,20 +771,25 @@ def ceiling_section(data: dict | None) -> list[str]:
            "(the commit before a change, compiled in place) right after this checkout"
            if "against" in trees else "")
         + ". A round's ratio is to its own floor; the medians are stated. Requests/s is what one "
-          "core routes at the median CPU (1e6 / µs).", ""]
+          "core routes at the median CPU (1e6 / µs). The clients are on the daemon's `ipc://` "
+          "frontend (ZeroMQ), and, in the rows that say so, this checkout's on its `unix://` "
+          "frontend, which the supervisor's loop reads and writes itself (no libzmq I/O thread "
+          "on either side: docs/ARCHITECTURE.md, \"The local frontend\").", ""]
     out += provenance(data) + [""]
     summary = data["summary"]
     rows = []
-    for name in trees:
-        for config in ("off", "on"):
-            row = summary[f"{name} {config}"]
-            who = ("this checkout" if name == "this" else "the uncompiled path"
-                   if data.get("against_uncompiled") else "the checkout before the change")
-            rows.append([f"{who}, batching {config}", ", ".join(f"{v:g}" for v in row["cpu_us"]),
-                         f"{row['median_us']:g}", ", ".join(f"{v:.2f}" for v in row["ratios"]),
-                         f"{row['median_ratio']:.2f}", f"{row['requests_per_s']:,}",
-                         f"{row['median_served']:,.0f}",
-                         f"{row['median_client_us']:g} / {row['median_workers_us']:g}"])
+    keys = [(name, config) for name in trees for config in ("off", "on")]
+    keys += [("this", f"{config} unix") for config in ("off", "on") if f"this {config} unix" in summary]
+    for name, config in keys:
+        row = summary[f"{name} {config}"]
+        who = ("this checkout" if name == "this" else "the uncompiled path"
+               if data.get("against_uncompiled") else "the checkout before the change")
+        config = config.replace(" unix", ", clients over unix://")
+        rows.append([f"{who}, batching {config}", ", ".join(f"{v:g}" for v in row["cpu_us"]),
+                     f"{row['median_us']:g}", ", ".join(f"{v:.2f}" for v in row["ratios"]),
+                     f"{row['median_ratio']:.2f}", f"{row['requests_per_s']:,}",
+                     f"{row['median_served']:,.0f}",
+                     f"{row['median_client_us']:g} / {row['median_workers_us']:g}"])
     out += table(["supervisor", "µs per request, by round", "median µs", "x the floor, by round",
                   "median x", "requests/s one core routes", "requests/s served (median)",
                   "client / workers µs per request (median)"], rows) + [""]

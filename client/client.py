@@ -9,7 +9,7 @@ Inputs are a tensor, a list/tuple of tensors, or a dict of named tensors (numpy 
 outputs come back in the model's own structure. If every input is a numpy array, outputs are
 numpy arrays too (bfloat16 outputs stay torch tensors: numpy has no bfloat16).
 
-Shared memory. On an ``ipc://`` endpoint, tensors of ``shm_threshold`` bytes or more (the
+Shared memory. On an ``ipc://`` or ``unix://`` endpoint, tensors of ``shm_threshold`` bytes or more (the
 daemon's setting, 64 KiB by default) travel in shared memory: the client copies an ordinary
 tensor once into a reused buffer, and a tensor made by ``client.empty()`` is sent with no copy
 at all. Outputs of that size come back as tensors *over shared memory* (no copy): they stay
@@ -25,6 +25,13 @@ before its future is done): the worker may be reading it in place.
 Threads. A Client may be shared by any number of threads: ``infer`` talks over a socket owned by
 the calling thread, and ``submit`` hands requests to one background I/O thread. An AsyncClient
 is used from one event loop at a time (a later loop takes it over).
+
+The local frontend. ``Client("unix:///run/modelwarden/local.sock")`` talks to a daemon's
+``unix://`` frontend (client/local.py): the same requests and answers with no ZeroMQ on either
+side, so less CPU per request in the client and the supervisor. A daemon not listening there is
+waited for until the timeout, then NoDaemon; one that closes the connection (it stopped or
+restarted) fails what waited on it at once with ConnectionLost, and the next request connects
+again.
 
 CURVE. A ``tcp://`` frontend of a daemon with ``[daemon.curve]`` answers only a client that has
 the server's public key and an allowed key pair: ``Client("tcp://host:5555",
@@ -86,7 +93,8 @@ from modelwarden.shared.sockets import Poller, recv_frames
 
 
 def default_endpoint() -> str:
-    """MODELWARDEN_ENDPOINT; else the first frontend of MODELWARDEN_CONFIG; else the local
+    """MODELWARDEN_ENDPOINT; else the first ``unix://`` frontend of MODELWARDEN_CONFIG, its first
+    ``ipc://`` one, or its first; else the local
     daemon's default socket, once its directory and socket show that this user, root or the
     system daemon made them (shared/trustdir.py: UntrustedRuntimeDir, a PermissionError,
     naming the path and its owner; NoDaemon when the directory does not exist)."""
