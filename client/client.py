@@ -388,11 +388,15 @@ class _IOThread(threading.Thread):
                     self._take_reply(connection)
                 self._expire()
         finally:
-            for pending, future, _, _, _ in self.waiting.values():
-                self.session.discard(pending)
-                future.set_exception(RuntimeError("the client was closed"))
-            self._fail_unsent()
-            connection.close()
+            self._finish(connection)
+
+    def _finish(self, connection) -> None:
+        """The thread is ending: what it holds fails, and its connection closes."""
+        for pending, future, _, _, _ in self.waiting.values():
+            self.session.discard(pending)
+            future.set_exception(RuntimeError("the client was closed"))
+        self._fail_unsent()
+        connection.close()
 
     def _fail_unsent(self) -> None:
         """Submitted but never sent: they must not wait forever either."""
@@ -479,11 +483,7 @@ class _LocalIOThread(_IOThread):
                     self._take_replies(connection)  # read while its requests were written
                 self._expire()
         finally:
-            for pending, future, _, _, _ in self.waiting.values():
-                self.session.discard(pending)
-                future.set_exception(RuntimeError("the client was closed"))
-            self._fail_unsent()
-            connection.close()
+            self._finish(connection)
 
     def _deliver(self, connection: LocalConnection, messages: list, timeout: float) -> None:
         if connection.closed_by_peer:  # what it carried fails before another one is made

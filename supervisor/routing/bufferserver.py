@@ -11,7 +11,7 @@ connection, and each descriptor received, from the moment ``recvmsg`` installed 
 closed or revoked. Under the reserve the listener is paused with the daemon's others and
 registrations are refused OVERLOADED. Each peer is its uid (``SO_PEERCRED``), and its connections
 are within its identity's share (supervisor/routing/quotas.py). Refused connections are logged at most
-once a minute per uid, with a count.
+once a minute per uid, with a count. The listener's part is supervisor/routing/unixlistener.py's.
 """
 
 from __future__ import annotations
@@ -23,123 +23,41 @@ from pathlib import Path
 from typing import Callable
 
 from modelwarden.shared import fdchannel
-from modelwarden.shared.lograte import LineBudget
 from modelwarden.shared.protocol import (BAD_REQUEST, INTERNAL, OVERLOADED, ProtocolError, bad,
                                          error_header, request_id_of)
 from modelwarden.supervisor.routing.buffers import BufferRegistry, Peer
 from modelwarden.supervisor.routing.connections import ConnectionGuard
-from modelwarden.supervisor.routing.identity import of_unix_socket
-from modelwarden.shared.process import DaemonError, check_socket_path, restrict_socket
+from modelwarden.supervisor.routing.unixlistener import UnixListener
 
 logger = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 1024
-ACCEPT_PAUSE_S = 1.0  # out of descriptors: stop accepting for a while instead of spinning
-REFUSALS_LOGGED_EVERY_S = 60.0
+BACKLOG = 64
 
 
-class BufferServer:
+class BufferServer(UnixListener):
     def __init__(self, registry: BufferRegistry, path: Path, group: str | None,
                  watch: Callable[[int, Callable[[], None]], None], unwatch: Callable[[int], None],
                  pause: Callable[[float, Callable[[], None]], None],
                  on_revoked: Callable[[list[str]], None], guard: ConnectionGuard,
                  clock: Callable[[], float]) -> None:
+        super().__init__(path, socket.SOCK_SEQPACKET, BACKLOG, group, "buffer channel", guard,
+                         watch, unwatch, pause, clock)
         self.registry = registry
-        self.path = path
         self.endpoint = str(path)
-        self.group = group
-        self._watch, self._unwatch, self._pause = watch, unwatch, pause
         self._on_revoked = on_revoked
-        self.guard = guard  # the daemon's descriptor account and the identities' shares
-        self._clock = clock
-        self._listener: socket.socket | None = None
-        self._listening = False
-        self.paused = False  # by the guard: the listener is out of the poller
         self._peers: dict[socket.socket, Peer] = {}
-        self._refusals = LineBudget(REFUSALS_LOGGED_EVERY_S)  # lines per uid
 
-    def listen(self) -> None:
-        check_socket_path(self.path)  # a socket or nothing: never unlink another kind of file
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        try:
-            self.path.unlink(missing_ok=True)  # a dead daemon's socket: the runtime lock is ours
-            sock.bind(str(self.path))
-            restrict_socket(self.path, self.group)
-            sock.listen(64)
-        except OSError as exc:
-            sock.close()
-            raise DaemonError(f"cannot listen on {self.path}: {exc}") from None
-        sock.setblocking(False)
-        self._listener = sock
-        self._listen_again()
+    def _refusal_of_its_own(self) -> str | None:
+        if len(self._peers) >= MAX_CONNECTIONS:
+            return f"{len(self._peers)} channel connections open"
+        return None
 
-    # -- the guard pauses and resumes this listener with the daemon's others (Pausable) --------
-
-    def pause(self) -> None:
-        self.paused = True
-        self._stop_listening()
-
-    def resume(self) -> None:
-        self.paused = False
-        self._listen_again()
-
-    def _stop_listening(self) -> None:
-        if self._listener is not None and self._listening:
-            self._listening = False
-            self._unwatch(self._listener.fileno())
-
-    def _listen_again(self) -> None:
-        if self._listener is not None and not self._listening and not self.paused:
-            self._listening = True
-            self._watch(self._listener.fileno(), self._accept)
-
-    def _accept(self) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        except OSError as exc:  # EMFILE/ENFILE: the pending connection would wake us forever
-            logger.error("buffer channel: cannot accept (%s); pausing for %.0fs", exc, ACCEPT_PAUSE_S)
-            self._stop_listening()
-            self._pause(ACCEPT_PAUSE_S, self._listen_again)
-            return
-        try:
-            pid, uid, gid = of_unix_socket(conn)
-        except OSError:  # gone before we could ask
-            conn.close()
-            return
+    def _admitted(self, conn: socket.socket, pid: int, uid: int, gid: int) -> None:
         peer = Peer(pid, uid, gid)
-        refusal = self._refusal(peer)
-        if refusal is not None:
-            # Accepted only to be closed: a pending connection left in the backlog would wake the
-            # level-triggered poll forever. The descriptor reserve covers this one.
-            self._log_refusal(uid, refusal)
-            conn.close()
-            return
-        self.guard.opened()
-        conn.setblocking(False)
         self._peers[conn] = peer
         self._watch(conn.fileno(), lambda: self._serve(conn))
         logger.debug("buffer channel: %s connected", peer)
-
-    def _refusal(self, peer: Peer) -> str | None:
-        """Why this connection may not stay, or None (its identity's share is then taken)."""
-        if len(self._peers) >= MAX_CONNECTIONS:
-            return f"{len(self._peers)} channel connections open"
-        if not self.guard.can_accept():
-            return "the daemon's descriptor budget is spent"
-        if self.guard.quotas is not None:
-            try:
-                self.guard.quotas.take(peer.identity, "connections")
-            except ProtocolError as exc:
-                return exc.message
-        return None
-
-    def _log_refusal(self, uid: int, why: str) -> None:
-        count = self._refusals.due(str(uid), self._clock())
-        if count:
-            logger.warning("buffer channel: refused %d connection(s) from uid %d%s: %s", count,
-                           uid, " since the last report" if count > 1 else "", why)
 
     def _serve(self, conn: socket.socket) -> None:
         peer = self._peers.get(conn)
@@ -208,9 +126,7 @@ class BufferServer:
             return
         self._unwatch(conn.fileno())
         conn.close()
-        self.guard.closed()
-        if self.guard.quotas is not None:
-            self.guard.quotas.give_back(peer.identity, "connections")
+        self._give_back(peer.identity)
         revoked = self.registry.drop(peer)
         self.guard.refund(len(revoked))
         logger.debug("buffer channel: %s gone, %d buffer(s) revoked", peer, len(revoked))
@@ -219,8 +135,4 @@ class BufferServer:
     def close(self) -> None:
         for conn in list(self._peers):
             self.disconnect(conn)
-        if self._listener is not None:
-            self._stop_listening()
-            self._listener.close()
-            self._listener = None
-            self.path.unlink(missing_ok=True)
+        self.close_listener()

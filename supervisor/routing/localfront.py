@@ -48,21 +48,17 @@ from pathlib import Path
 from typing import Callable
 
 from modelwarden.shared.link import Link
-from modelwarden.shared.lograte import LineBudget
-from modelwarden.shared.process import DaemonError, check_socket_path, restrict_socket
-from modelwarden.shared.protocol import (INTERNAL, SIGNATURE, ProtocolError, error_header, pack,
-                                         reply_route)
+from modelwarden.shared.protocol import INTERNAL, SIGNATURE, error_header, pack, reply_route
 from modelwarden.supervisor.routing.connections import ConnectionGuard
-from modelwarden.supervisor.routing.identity import of_unix_socket, uid_identity
+from modelwarden.supervisor.routing.identity import uid_identity
 from modelwarden.supervisor.routing.limits import MAX_FRAMES
+from modelwarden.supervisor.routing.unixlistener import UnixListener
 
 logger = logging.getLogger(__name__)
 
 SCHEME = "unix://"
 BUFFER_BYTES = 16 * 1024  # a connection's read buffer to start with: a dozen 1 KiB requests
 BACKLOG = 256  # connections the kernel queues for accept
-ACCEPT_PAUSE_S = 1.0  # out of descriptors: stop accepting for a while instead of spinning
-LOGGED_EVERY_S = 60.0
 _RID = struct.Struct(">Q")
 
 
@@ -87,13 +83,13 @@ class _Connection:
         self.uid = uid
 
 
-class LocalFrontend:
-    """One ``unix://`` listener and its connections, all in the arbiter's one poller.
+class LocalFrontend(UnixListener):
+    """One ``unix://`` listener (supervisor/routing/unixlistener.py) and its connections, all in
+    the arbiter's one poller.
 
     ``on_message(index, frontend, frames, connection, identity, max_bytes)`` is the intake's
-    ``client_message``; ``watch``/``unwatch`` put a descriptor in the poller or take it out;
-    ``want_write``/``want_read`` say what it is watched for (shared/sockets.Poller); ``later``
-    runs a callable after a delay (the timers)."""
+    ``client_message``; ``want_write``/``want_read`` say what a descriptor is watched for
+    (shared/sockets.Poller)."""
 
     def __init__(self, index: int, endpoint: str, group: str | None, max_message_bytes: int,
                  guard: ConnectionGuard, on_message: Callable,
@@ -101,113 +97,36 @@ class LocalFrontend:
                  want_write: Callable[[int, bool], None], want_read: Callable[[int, bool], None],
                  later: Callable[[float, Callable[[], None]], None],
                  clock: Callable[[], float]) -> None:
+        super().__init__(path_of(endpoint), socket.SOCK_STREAM, BACKLOG, group, endpoint, guard,
+                         watch, unwatch, later, clock)
         self.index = index
         self.endpoint = endpoint
-        self.path = path_of(endpoint)
-        self.group = group
         self.max_message_bytes = max_message_bytes
-        self.guard = guard
         self._on_message = on_message
-        self._watch, self._unwatch = watch, unwatch
         self._want_write, self._want_read = want_write, want_read
-        self._later = later
-        self._clock = clock
-        self._listener: socket.socket | None = None
-        self._listening = False
-        self.paused = False  # by the guard: the listener is out of the poller
         self.closed = False
         self._by_rid: dict[bytes, _Connection] = {}
         self._next = 1
-        self._logged = LineBudget(LOGGED_EVERY_S)  # lines per uid
 
     def listen(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        check_socket_path(self.path)  # a socket or nothing: never unlink another kind of file
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            self.path.unlink(missing_ok=True)  # a dead daemon's socket: the runtime lock is ours
-            sock.bind(str(self.path))
-            restrict_socket(self.path, self.group)
-            sock.listen(BACKLOG)
-        except OSError as exc:
-            sock.close()
-            raise DaemonError(f"cannot bind {self.endpoint}: {exc}") from None
-        sock.setblocking(False)
-        self._listener = sock
-        self._listen_again()
+        super().listen()
 
     @property
     def connections(self) -> int:
         return len(self._by_rid)
 
-    # -- the guard pauses and resumes this listener with the daemon's others (Pausable) --------
-
-    def pause(self) -> None:
-        self.paused = True
-        self._stop_listening()
-
-    def resume(self) -> None:
-        self.paused = False
-        self._listen_again()
-
-    def _stop_listening(self) -> None:
-        if self._listener is not None and self._listening:
-            self._listening = False
-            self._unwatch(self._listener.fileno())
-
-    def _listen_again(self) -> None:
-        if self._listener is not None and not self._listening and not self.paused:
-            self._listening = True
-            self._watch(self._listener.fileno(), self._accept)
-
-    # -- connections ---------------------------------------------------------------------------
-
-    def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        except OSError as exc:  # EMFILE/ENFILE: the pending connection would wake us forever
-            logger.error("%s: cannot accept (%s); pausing for %.0fs", self.endpoint, exc,
-                         ACCEPT_PAUSE_S)
-            self._stop_listening()
-            self._later(ACCEPT_PAUSE_S, self._listen_again)
-            return
-        try:
-            uid = of_unix_socket(sock)[1]
-        except OSError:  # gone before we could ask
-            sock.close()
-            return
-        identity = uid_identity(uid)
-        refusal = self._refusal(identity)
-        if refusal is not None:
-            # Accepted only to be closed: a pending connection left in the backlog would wake the
-            # level-triggered poll forever. The descriptor reserve covers this one.
-            self._log(uid, f"refused a connection from uid {uid}: {refusal}")
-            sock.close()
-            return
-        self.guard.opened()
+    def _admitted(self, sock: socket.socket, pid: int, uid: int, gid: int) -> None:
         rid = _RID.pack(self._next)
         self._next += 1
         # The kernel's default send buffer (no SO_SNDBUF asked): what a client leaves unread
         # there is kernel memory it makes us hold, as on a ZeroMQ ipc frontend.
         link = Link(sock, max_bytes=self.max_message_bytes, max_parts=MAX_FRAMES,
                     buffer_bytes=BUFFER_BYTES, send_buffer=None)
-        connection = _Connection(link, rid, (self.index, rid), identity, uid)
+        connection = _Connection(link, rid, (self.index, rid), uid_identity(uid), uid)
         link.on_pending = lambda waiting: self._backed_up(connection, waiting)
         self._by_rid[rid] = connection
         self._watch(link.fd, lambda: self._serve(connection))
-
-    def _refusal(self, identity: str) -> str | None:
-        """Why this connection may not stay, or None (its identity's share is then taken)."""
-        if not self.guard.can_accept():
-            return "the daemon's descriptor budget is spent"
-        if self.guard.quotas is not None:
-            try:
-                self.guard.quotas.take(identity, "connections")
-            except ProtocolError as exc:
-                return exc.message
-        return None
 
     def _backed_up(self, connection: _Connection, waiting: bool) -> None:
         """Replies wait in the link's queue (True) or it has emptied (False): watch the socket
@@ -234,7 +153,7 @@ class LocalFrontend:
             if self.closed:
                 return
         if link.error is not None:
-            self._log(connection.uid, f"closed a connection of uid {connection.uid}: {link.error}")
+            self.log_per_uid("closed", connection.uid, link.error)
         if link.eof or link.broken:
             self.disconnect(connection)
 
@@ -248,9 +167,7 @@ class LocalFrontend:
         self._unwatch(connection.link.fd)
         connection.link.on_pending = None
         connection.link.close()
-        self.guard.closed()
-        if self.guard.quotas is not None:
-            self.guard.quotas.give_back(connection.identity, "connections")
+        self._give_back(connection.identity)
 
     # -- replies: the router's and the intake's send_parts (shared/sockets.py) -----------------
 
@@ -266,18 +183,8 @@ class LocalFrontend:
                            self.endpoint, errno.errorcode.get(exc.errno, exc))
             self.disconnect(connection)
 
-    def _log(self, uid: int, line: str) -> None:
-        count = self._logged.due(str(uid), self._clock())
-        if count:
-            logger.warning("%s: %s%s", self.endpoint, line,
-                           f" ({count} such since the last report)" if count > 1 else "")
-
     def close(self) -> None:
         self.closed = True
         for connection in list(self._by_rid.values()):
             self.disconnect(connection)
-        if self._listener is not None:
-            self._stop_listening()
-            self._listener.close()
-            self._listener = None
-            self.path.unlink(missing_ok=True)
+        self.close_listener()
