@@ -321,12 +321,13 @@ def cmd_infer(args) -> int:
     import numpy as np
 
     from modelwarden.client.client import Client, RemoteError
+    from modelwarden.shared.errors import ConnectionLost
 
     try:
         with Client(endpoint, timeout=args.timeout, copy_outputs=True,
                     server_key=args.server_key, client_key=args.client_key) as client:
             reply = client.infer(args.model, inputs, details=True)
-    except (NoDaemon, PermissionError) as exc:
+    except (NoDaemon, PermissionError, ConnectionLost) as exc:  # ConnectionLost: unix:// only
         return _fail(str(exc), EXIT_UNREACHABLE)
     except (RemoteError, ValueError) as exc:  # ValueError: an unusable key file
         return _fail(str(exc), EXIT_RUNTIME)

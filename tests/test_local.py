@@ -10,6 +10,8 @@ import os
 import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -23,7 +25,7 @@ from modelwarden.shared import protocol
 from modelwarden.shared.config import check_endpoint
 from modelwarden.shared.link import Link, frame_prefix
 from modelwarden.supervisor.routing.limits import MAX_FRAMES
-from tests.helpers import Daemon, mlp_model, poll_until
+from tests.helpers import ROOT, Daemon, mlp_model, poll_until
 
 
 @pytest.fixture(scope="module")
@@ -246,13 +248,15 @@ def split_frames(data: bytearray) -> list[list[bytes]]:
 
 
 def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_connected_again():
-    echo = {"name": "echo", "source": "python:tests.faulty:make_echo", "kwargs": {"delay": 0.5},
+    # Slow enough that none of the six requests is answered before the kill, however slowly
+    # the threads below start.
+    echo = {"name": "echo", "source": "python:tests.faulty:make_echo", "kwargs": {"delay": 5.0},
             "workers": 1, "cores_per_worker": 1, "threads": 1, "warmup": 0}
     x = torch.arange(8.0)
     with Daemon([echo], local=True) as daemon:
         daemon.wait_ready()
         with Client(daemon.local, timeout=120) as client:
-            assert torch.equal(client.infer("echo", x), x)
+            client.hello()
             futures = [client.submit("echo", x) for _ in range(4)]
             outcome: dict = {}
 
@@ -274,8 +278,8 @@ def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_c
                        threading.Thread(target=asyncio.run, args=(async_infer(),))]
             for thread in threads:
                 thread.start()
-            poll_until(lambda: daemon.status()["daemon"]["pending"] >= 5, 30,
-                       message="requests held by the daemon")
+            poll_until(lambda: daemon.status()["daemon"]["pending"] == 6, 30,
+                       message="all six requests held by the daemon")
             daemon.process.kill()
             daemon.process.wait(30)
             for future in futures:  # well before their 120 s deadline
@@ -286,8 +290,31 @@ def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_c
             assert isinstance(outcome["async"], ConnectionLost), outcome
             daemon.start()
             daemon.wait_ready()
-            assert torch.equal(client.infer("echo", x), x)  # the same client, connected again
-            assert torch.equal(client.submit("echo", x).result(60), x)
+            submitted = client.submit("echo", x)  # the same client, connected again, both ways
+            assert torch.equal(client.infer("echo", x), x)
+            assert torch.equal(submitted.result(60), x)
+
+
+def test_the_cli_says_a_daemon_that_died_with_its_request_is_unreachable(tmp_path):
+    """``modelwarden infer`` on unix://: exit 3 and the reason, not a traceback."""
+    hang = {"name": "echo", "source": "python:tests.faulty:make_echo", "kwargs": {"delay": 60.0},
+            "workers": 1, "cores_per_worker": 1, "threads": 1, "warmup": 0}
+    np.save(tmp_path / "x.npy", np.arange(8, dtype=np.float32))
+    with Daemon([hang], local=True) as daemon:
+        daemon.wait_ready()
+        cli = subprocess.Popen([sys.executable, "-m", "modelwarden", "infer", "echo", "--endpoint",
+                                daemon.local, "--input", str(tmp_path / "x.npy"), "--timeout", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            poll_until(lambda: daemon.status()["daemon"]["pending"] == 1, 60,
+                       message="the CLI's request held by the daemon")
+            daemon.process.kill()
+            daemon.process.wait(30)
+            _, err = cli.communicate(timeout=60)
+        finally:
+            cli.kill()
+        assert cli.returncode == 3, err
+        assert "closed the connection before it answered" in err and "Traceback" not in err
 
 
 def test_no_daemon_at_a_local_endpoint_is_no_daemon_once_the_timeout_has_passed(tmp_path):
