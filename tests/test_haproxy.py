@@ -97,6 +97,11 @@ def gateway_fleet_daemon(port: int, grpc_port: int | None = None):
     return daemon
 
 
+# How long the retry of a call that may have run waits: HAProxy marks a dead gateway DOWN within
+# fall x inter (2 x 200 ms in the configs below).
+MARKED_DOWN_S = 0.5
+
+
 class Retrying:
     """What both transports' retrying clients share: a tritonclient made by ``connect``, the
     retries counted by kind, and the policy's back-off."""
@@ -117,8 +122,15 @@ class Retrying:
             pass
         self.client = self.connect()
 
-    def back_off(self, not_run: int) -> None:
-        if not_run > 1:  # the first retry at once, then exponential back-off
+    def back_off(self, not_run: int, cut_off: bool = False) -> None:
+        """``cut_off``: the call just failed after it was sent (it may have run)."""
+        if cut_off:
+            # A call cut off by a dying daemon: its retry waits out the health check (fall 2 x
+            # inter 200ms). At once, round robin may send it to the same daemon, whose
+            # listening socket still takes connections while the kernel tears the process down,
+            # and then resets them: a second "may have run", which the policy does not retry.
+            self._backoff.wait(MARKED_DOWN_S)
+        elif not_run > 1:  # the first retry at once, then exponential back-off
             self._backoff.wait(min(2.0, 0.1 * 2 ** (not_run - 2)))
 
     def _note(self, kind: str) -> None:
@@ -137,6 +149,7 @@ class RetryingClient(Retrying):
     def infer(self, x: np.ndarray) -> np.ndarray:
         not_run, may_have_run = 0, 0
         while True:
+            cut_off = False
             try:
                 item = httpclient.InferInput("x", list(x.shape), "FP32")
                 item.set_data_from_numpy(x, binary_data=True)
@@ -155,8 +168,9 @@ class RetryingClient(Retrying):
                 if may_have_run == 1:
                     raise
                 may_have_run += 1
+                cut_off = True
                 self._note(type(exc).__name__)
-            self.back_off(not_run)
+            self.back_off(not_run, cut_off)
             self.reconnect()
 
 
@@ -175,6 +189,7 @@ class RetryingGrpcClient(Retrying):
     def infer(self, x: np.ndarray) -> np.ndarray:
         not_run, may_have_run = 0, 0
         while True:
+            cut_off = False
             try:
                 item = grpcclient.InferInput("x", list(x.shape), "FP32")
                 item.set_data_from_numpy(x)
@@ -191,8 +206,9 @@ class RetryingGrpcClient(Retrying):
                     if may_have_run == 1:
                         raise
                     may_have_run += 1
+                    cut_off = True
                     self._note(f"UNAVAILABLE {exc.message()[:60]}")
-            self.back_off(not_run)
+            self.back_off(not_run, cut_off)
 
 
 class TritonLoad:
