@@ -79,10 +79,8 @@ def supervisor_point(workdir: Path, tree: Path, batching: dict | None,
     workloads = serving.make_workloads(["W1"])
     text = serving.mw_config_text(workdir / "run", workloads, batching).replace(
         f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
-    unix = f"unix://{workdir}/run/local.sock"
     if local:
-        text = text.replace("[daemon]\n", f'[daemon]\nfrontend = ["ipc://{workdir}/run/frontend.sock", '
-                            f'"{unix}"]\n', 1)
+        text, unix = serving.with_local_frontend(text, workdir / "run")
     daemon, endpoint = serving.start_daemon(workdir, "ceiling", text, {"w1": workloads["W1"]},
                                             tree=tree)
     if local:

@@ -24,6 +24,10 @@ place (``git worktree add /tmp/base COMMIT``, then ``python setup.py build_ext -
 its role folders are linked under its ``modelwarden/`` here): the commit before a change, side by
 side.
 
+The supervisor and client rows are also measured for this checkout's client on the daemon's local
+frontend (``unix://``, rows ending ", unix": no libzmq in either process), against the others'
+rows over ``ipc://``; the worker's side is the same whichever frontend the client uses.
+
 Prints each row, the targets of issue 24 that instruction counts can state (as ratios within
 this run: MET or MISS), and the K compiled functions with the most instructions (inclusive) in
 the compiled batching-off run: where the time goes. ``--json`` writes the rows and targets
@@ -55,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 
 IN_FLIGHT, FLOOR_IN_FLIGHT = 64, 8
 WARMUP = 200
+UNIX = ", unix"  # a row key's ending: this checkout's client on the local frontend (unix://)
 
 
 def valgrind(out: Path) -> tuple[str, ...]:
@@ -159,19 +164,25 @@ def floor(workdir: Path, requests: int) -> int:
 
 # -- our supervisor ---------------------------------------------------------------------------
 
-def supervisor(workdir: Path, tree: Path, batching: dict | None, requests: int) -> int:
+def supervisor(workdir: Path, tree: Path, batching: dict | None, requests: int,
+               local: bool = False) -> int:
+    """``local``: the client on the daemon's ``unix://`` frontend, not its ``ipc://`` one."""
     from bench import serving
     from modelwarden import AsyncClient
 
     workloads = serving.make_workloads(["W1"])
-    runtime = workdir / ("on" if batching else "off") / tree.name
+    runtime = workdir / ("on" if batching else "off") / (tree.name + ("-unix" if local else ""))
     runtime.mkdir(parents=True)
     text = serving.mw_config_text(runtime / "run", workloads, batching).replace(
         f'python_path = ["{ROOT}"]', f'python_path = ["{tree}"]')
+    if local:
+        text, unix = serving.with_local_frontend(text, runtime / "run")
     out = runtime / "supervisor.out"
     # Under valgrind the supervisor starts in about a minute; its workers run natively.
     daemon, endpoint = serving.start_daemon(runtime, "supervisor", text, {"w1": workloads["W1"]},
                                             wrapper=valgrind(out), tree=tree, ready_s=600)
+    if local:
+        endpoint = unix
     x = workloads["W1"].inputs[0]
 
     async def load(client, count: int) -> None:
@@ -240,13 +251,18 @@ def identity_daemon(workdir: Path, side: str, tree: Path, workers: int):
     return runtime, workload, text
 
 
-def client(workdir: Path, tree: Path, requests: int) -> int:
+def client(workdir: Path, tree: Path, requests: int, local: bool = False) -> int:
     """Instructions per sequential 1 KiB round trip in a client process of ``tree``, against a
-    daemon of the same tree (running natively): the client's codec, its sockets, its poll."""
+    daemon of the same tree (running natively): the client's codec, its sockets, its poll.
+    ``local``: on the daemon's ``unix://`` frontend (client/local.py: no libzmq in the client)."""
     from bench import serving
 
-    runtime, workload, text = identity_daemon(workdir, "client", tree, 2)
+    runtime, workload, text = identity_daemon(workdir, "client-unix" if local else "client", tree, 2)
+    if local:
+        text, unix = serving.with_local_frontend(text, runtime / "run")
     daemon, endpoint = serving.start_daemon(runtime, "daemon", text, {"w1": workload}, tree=tree)
+    if local:
+        endpoint = unix
     out = runtime / "client.out"
     try:
         subprocess.run([*valgrind(out), sys.executable, "-c", CLIENT, endpoint, str(WARMUP),
@@ -365,10 +381,13 @@ def main() -> int:
     base = rows["floor"]
     print(f"{'row':<50}{'instructions/request':>22}{'x floor':>9}")
     print(f"{'floor: C zmq.proxy, 1 KiB, 8 in flight':<50}{base:>22,}{1.0:>9.2f}")
+    # This checkout's clients also on the local frontend (unix://): the rows "..., compiled, unix".
+    local = ["compiled"] if "compiled" in trees else []
     for batching in (None, {"max_size": 16, "max_delay_us": 0}):
-        for kind, tree in trees.items():
-            key = f"supervisor batching {'on' if batching else 'off'}, {kind}"
-            rows[key] = supervisor(workdir, tree, batching, args.requests)
+        for kind, tree, over_unix in [*((kind, tree, False) for kind, tree in trees.items()),
+                                      *((kind, trees[kind], True) for kind in local)]:
+            key = f"supervisor batching {'on' if batching else 'off'}, {kind}{UNIX if over_unix else ''}"
+            rows[key] = supervisor(workdir, tree, batching, args.requests, local=over_unix)
             print(f"{'supervisor W1@' + str(IN_FLIGHT) + ', ' + key[11:]:<50}{rows[key]:>22,}"
                   f"{rows[key] / base:>9.2f}")
     for side, measure in (("client", client), ("worker", worker)):
@@ -376,6 +395,10 @@ def main() -> int:
             key = f"{side}, {kind}"
             rows[key] = measure(workdir, tree, args.client_requests)
             print(f"{side + ', 1 KiB round trip, ' + kind:<50}{rows[key]:>22,}")
+    for kind in local:  # the worker's side does not depend on the client's frontend
+        key = f"client, {kind}{UNIX}"
+        rows[key] = client(workdir, trees[kind], args.client_requests, local=True)
+        print(f"{'client, 1 KiB round trip, ' + kind + UNIX:<50}{rows[key]:>22,}")
     report = targets(rows)
     print()
     for row in report:
@@ -423,20 +446,23 @@ def targets(rows: dict) -> list[dict]:
 
     floor_count = rows["floor"]
     for on, bound in (("off", 2.5), ("on", 1.5)):
-        ours = rows.get(f"supervisor batching {on}, compiled")
-        check(f"supervisor W1@{IN_FLIGHT}, batching {on} / C proxy floor",
-              ours / floor_count if ours else None, "<=", bound)
-        for other in ("uncompiled", "against"):
-            theirs = rows.get(f"supervisor batching {on}, {other}")
-            if ours and theirs:
-                check(f"supervisor W1@{IN_FLIGHT}, batching {on}: compiled / {other}",
-                      ours / theirs, "<=", 1.0)
-    for side in ("client", "worker"):
-        ours = rows.get(f"{side}, compiled")
-        for other in ("uncompiled", "against"):
-            theirs = rows.get(f"{side}, {other}")
-            if ours and theirs:
-                check(f"{side}, 1 KiB round trip: compiled / {other}", ours / theirs, "<=", 0.4)
+        for over in ("", UNIX):
+            ours = rows.get(f"supervisor batching {on}, compiled{over}")
+            check(f"supervisor W1@{IN_FLIGHT}, batching {on}{over} / C proxy floor",
+                  ours / floor_count if ours else None, "<=", bound)
+            for other in ("uncompiled", "against"):  # both over ipc://
+                theirs = rows.get(f"supervisor batching {on}, {other}")
+                if ours and theirs:
+                    check(f"supervisor W1@{IN_FLIGHT}, batching {on}: compiled{over} / {other}",
+                          ours / theirs, "<=", 1.0)
+    for side, overs in (("client", ("", UNIX)), ("worker", ("",))):
+        for over in overs:
+            ours = rows.get(f"{side}, compiled{over}")
+            for other in ("uncompiled", "against"):  # both over ipc://
+                theirs = rows.get(f"{side}, {other}")
+                if ours and theirs:
+                    check(f"{side}, 1 KiB round trip: compiled{over} / {other}", ours / theirs,
+                          "<=", 0.4)
     return out
 
 

@@ -708,9 +708,12 @@ INSTRUCTION_ROWS = {
     "supervisor batching on, compiled": "supervisor, batching on (16, no delay), compiled",
     "supervisor batching on, against": "supervisor, batching on, the checkout before the change",
     "supervisor batching on, uncompiled": "supervisor, batching on, uncompiled",
+    "supervisor batching off, compiled, unix": "supervisor, batching off, compiled, the client over unix://",
+    "supervisor batching on, compiled, unix": "supervisor, batching on, compiled, the client over unix://",
     "client, compiled": "client, one 1 KiB round trip, compiled",
     "client, against": "client, one 1 KiB round trip, the checkout before the change",
     "client, uncompiled": "client, one 1 KiB round trip, uncompiled",
+    "client, compiled, unix": "client, one 1 KiB round trip, compiled, over unix://",
     "worker, compiled": "worker, one 1 KiB round trip, compiled",
     "worker, against": "worker, one 1 KiB round trip, the checkout before the change",
     "worker, uncompiled": "worker, one 1 KiB round trip, uncompiled",
@@ -733,7 +736,10 @@ def instructions_section(data: dict | None) -> list[str]:
         "same round trips counted in the model's one worker. \"the checkout before the "
         "change\" is the commit before this work (`acfd321`: `git worktree add /tmp/base acfd321`, "
         "then `python setup.py build_ext --inplace` there), built the same way and measured in "
-        "the same run; \"uncompiled\" is this checkout without its compiled modules.", ""]
+        "the same run; \"uncompiled\" is this checkout without its compiled modules. The clients "
+        "are on the daemon's `ipc://` frontend (ZeroMQ), except in the rows that say `unix://`: "
+        "this checkout's client on its local frontend, where neither process runs libzmq; the "
+        "worker's side is the same on both.", ""]
     out += provenance(data) + [""]
     rows = data["rows"]
     floor_count = rows["floor"]

@@ -288,6 +288,15 @@ def mw_config_text(runtime: Path, workloads: dict[str, Workload], batching: dict
     return "\n".join(lines)
 
 
+def with_local_frontend(text: str, runtime: Path) -> tuple[str, str]:
+    """``text`` (mw_config_text's, for ``runtime``) also serving the local frontend, and that
+    frontend's ``unix://`` endpoint (supervisor/routing/localfront.py: no ZeroMQ between the
+    client and the supervisor's loop)."""
+    unix = f"unix://{runtime}/local.sock"
+    return text.replace("[daemon]\n", f'[daemon]\nfrontend = ["ipc://{runtime}/frontend.sock", '
+                        f'"{unix}"]\n', 1), unix
+
+
 # ``python -c`` this, then the daemon's arguments: the daemon, its workers spawned with the
 # executable argv[1] names (multiprocessing.set_executable) instead of this interpreter.
 SPAWN_WITH = ("import multiprocessing, runpy, sys; multiprocessing.set_executable(sys.argv.pop(1)); "

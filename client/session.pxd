@@ -2,16 +2,23 @@
 # and the session are extension types, so a round trip's calls between the session's steps are
 # C calls and their fields C slots.
 
+from modelwarden.shared.codec cimport dtype_name, encode, frame_tensor, from_bytes, unflatten
+from modelwarden.shared.descriptors cimport ReplyCache
+from modelwarden.shared.protocol cimport pack, reply_parts, unpack_header
+
+
 cdef class Pending:
     cdef public object id, model, keep, regions, tokens, out_token
     cdef public bint numpy_out, details
 
 
 cdef class Session:
-    cdef public object endpoint, offer, arena, threshold, ids, out_guess, replies, _lock
+    cdef public object endpoint, offer, arena, threshold, ids, out_guess, _lock
+    cdef public ReplyCache replies
     cdef public bint want_shm, copy_outputs
 
     cpdef object build(self, object model, object inputs, object timeout, bint details=*)
+    cdef object _out_region(self, object model, list descs, Pending pending)
     cpdef object split(self, list frames)
     cpdef object read(self, object header, list frames)
     cpdef bint forgotten(self, object reply, Pending pending) except -1

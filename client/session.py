@@ -24,7 +24,8 @@ from modelwarden.shared.codec import (Elements, copy_into, decode_elements, dtyp
 from modelwarden.shared.descriptors import InferReply, ReplyCache, ReplyError, parse_reply
 from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout, error_from_reply
 from modelwarden.shared.fdchannel import BufferChannelClient
-from modelwarden.shared.protocol import SIGNATURE, ProtocolError, TensorDesc
+from modelwarden.shared.protocol import (INFER, SIGNATURE, ProtocolError, TensorDesc, pack,
+                                         reply_parts, unpack_header)
 from modelwarden.shared.rawconfig import check_announced_channel
 from modelwarden.shared.shm import ALIGN, Region, ShmArena
 
@@ -108,7 +109,7 @@ class Session:
     def build(self, model: str, inputs: Any, timeout: float,
               details: bool = False) -> tuple[list[list], Pending]:
         """The messages to send (just the request) and its pending record."""
-        pending = Pending(next(self.ids), model, False, details, keep=[])
+        pending = Pending(next(self.ids), model, False, details, [])
         try:
             encoded = encode(inputs, self._placement(pending))
             pending.keep = encoded.leaves  # read in place by the worker until the reply
@@ -117,11 +118,11 @@ class Session:
         except BaseException:
             self.release(pending)
             raise
-        header = {"type": protocol.INFER, "id": pending.id, "model": model, "inputs": encoded.tree,
+        header = {"type": INFER, "id": pending.id, "model": model, "inputs": encoded.tree,
                   "tensors": encoded.descs, "timeout_ms": int(timeout * 1000)}
         if out is not None:
             header["out"] = out
-        return [[SIGNATURE, protocol.pack(header), *encoded.frames]], pending
+        return [[SIGNATURE, pack(header), *encoded.frames]], pending
 
     def _placement(self, pending: Pending):
         arena, threshold = self.arena, self.threshold
@@ -163,8 +164,11 @@ class Session:
             return None
         guess = self.out_guess.get(model)
         if guess is None:  # no reply yet: guess the outputs are as large as the inputs
-            guess = sum(_aligned(nbytes) for nbytes in map(_desc_nbytes, descs)
-                        if nbytes >= self.threshold)
+            guess = 0
+            for desc in descs:  # a loop, not a generator: compiled, this is a cdef method
+                nbytes = _desc_nbytes(desc)
+                if nbytes >= self.threshold:
+                    guess += _aligned(nbytes)
         if guess < self.threshold:
             return None
         region = self._alloc(guess)
@@ -182,11 +186,11 @@ class Session:
         success reply is parsed here, or found in ``replies`` when it is one seen before but for
         its id and timing; anything else (a hello's answer, a failure, a malformed success) comes
         as its header map. InternalError when the frames are not a modelwarden reply."""
-        raw, payload = protocol.reply_parts(frames)
+        raw, payload = reply_parts(frames)
         found = self.replies.parse(raw, payload)
         if found is not None:
             return found[0], found[1], payload
-        header = protocol.unpack_header(raw, strict=False)
+        header = unpack_header(raw, strict=False)
         if header.get("ok") is not True or "outputs" not in header:
             return header.get("id"), header, payload
         try:

@@ -194,26 +194,36 @@ def flatten(value: Any, leaves: list, depth: int = 0) -> Any:
         return len(leaves) - 1
     if isinstance(value, np.ndarray):  # an object array that holds something else
         return _unsupported(value)
-    if isinstance(value, list):
-        return [flatten(item, leaves, depth + 1) for item in value]
-    if isinstance(value, tuple):
-        return {"tuple": [flatten(item, leaves, depth + 1) for item in value]}
+    # Loops, not comprehensions: compiled, this is a cpdef function (shared/codec.pxd), which
+    # may hold no closure.
+    if isinstance(value, (list, tuple)):
+        items = []
+        for item in value:
+            items.append(flatten(item, leaves, depth + 1))
+        return items if isinstance(value, list) else {"tuple": items}
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str):
                 raise TypeError(f"dict keys must be str, got {type(key).__name__}")
-        return {"dict": {key: flatten(item, leaves, depth + 1) for key, item in value.items()}}
+        named = {}
+        for key, item in value.items():
+            named[key] = flatten(item, leaves, depth + 1)
+        return {"dict": named}
     return _unsupported(value)
 
 
 def unflatten(tree: Any, leaves: list) -> Any:
     if isinstance(tree, int):
         return leaves[tree]
-    if isinstance(tree, list):
-        return [unflatten(item, leaves) for item in tree]
-    if "tuple" in tree:
-        return tuple(unflatten(item, leaves) for item in tree["tuple"])
-    return {key: unflatten(item, leaves) for key, item in tree["dict"].items()}
+    if isinstance(tree, list) or "tuple" in tree:
+        items = []
+        for item in (tree if isinstance(tree, list) else tree["tuple"]):
+            items.append(unflatten(item, leaves))
+        return items if isinstance(tree, list) else tuple(items)
+    named = {}
+    for key, item in tree["dict"].items():
+        named[key] = unflatten(item, leaves)
+    return named
 
 
 def raw_bytes(tensor: torch.Tensor):

@@ -7,6 +7,9 @@ from modelwarden.shared.mpack cimport pack, read_at, value_end, value_span
 from modelwarden.shared.protocol cimport frame_lengths_match, read_timing, usable_id
 
 cdef bytes _ID_KEY, _TIMING
+
+cpdef dict inline_desc(object dtype, object shape, object frame)
+cpdef dict shm_desc(object dtype, object shape, object region)
 cdef Py_ssize_t _ID_AT
 
 

@@ -45,6 +45,8 @@ cdef bint _holds_at(bytes data, Py_ssize_t start, bytes expected) noexcept
 @cython.locals(request=InferRequest)
 cdef InferRequest _with_id(InferRequest parsed, object rid)
 cpdef object unpack_header(object buf, bint strict=*)
+cpdef bytes pack(object header)
+cpdef tuple reply_parts(object frames)
 @cython.locals(route=list, body=list)
 cpdef Envelope split_router_message(object frames)
 cpdef list reply_route(object frames)

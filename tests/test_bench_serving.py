@@ -126,3 +126,27 @@ def test_a_quick_ceiling_round_measures_the_supervisor_and_the_floor(tmp_path):
     assert "requests/s one supervisor core routes, batching off, clients over unix://" in done.stdout
     assert "W1@64 requests/s served, this build / the other, batching on" in done.stdout
     assert "supervisor CPU / C proxy CPU at 8 in flight, batching off" in done.stdout
+
+
+def test_the_instruction_counts_put_unix_rows_against_the_others_over_ipc():
+    """bench/instructions.py: this checkout's client on the local frontend (rows ending ", unix")
+    is compared with the uncompiled path's and the other checkout's rows over ipc://, the only
+    frontend they have; the worker's rows have no unix:// twin."""
+    from bench import instructions
+
+    rows = {"floor": 10_000,
+            "supervisor batching off, compiled": 30_000, "supervisor batching off, compiled, unix": 20_000,
+            "supervisor batching off, uncompiled": 100_000,
+            "client, compiled": 50_000, "client, compiled, unix": 30_000,
+            "client, uncompiled": 100_000, "client, against": 80_000,
+            "worker, compiled": 45_000, "worker, uncompiled": 100_000}
+    report = {line["target"]: line for line in instructions.targets(rows)}
+    assert report["supervisor W1@64, batching off, unix / C proxy floor"]["value"] == 2.0
+    assert report["supervisor W1@64, batching off, unix / C proxy floor"]["met"] is True
+    assert report["supervisor W1@64, batching off / C proxy floor"]["met"] is False  # 3.0
+    assert report["supervisor W1@64, batching off: compiled, unix / uncompiled"]["value"] == 0.2
+    assert report["client, 1 KiB round trip: compiled, unix / uncompiled"]["value"] == 0.3
+    assert report["client, 1 KiB round trip: compiled, unix / against"]["value"] == 0.375
+    assert report["client, 1 KiB round trip: compiled / against"]["met"] is False  # 0.625
+    assert report["worker, 1 KiB round trip: compiled / uncompiled"]["met"] is False  # 0.45
+    assert not [target for target in report if target.startswith("worker") and "unix" in target]

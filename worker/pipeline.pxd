@@ -1,6 +1,9 @@
 # C types for worker/pipeline.py when Cython compiles it (pure-Python mode): the pipeline is an
 # extension type, so the serving loop's calls into it and its own steps are C calls.
 
+from modelwarden.shared.codec cimport flatten, unflatten
+
+
 cdef class Pipeline:
     cdef public object handler, model, batching, padded, keep_length, mask
     cdef public int dim

@@ -2,6 +2,7 @@
 # extension type, so the calls between its steps (a dozen per request) are C calls and its
 # fields C slots, not attribute lookups.
 
+from modelwarden.shared.codec cimport encode_leaves, from_bytes
 from modelwarden.shared.link cimport Link
 from modelwarden.worker.pipeline cimport Pipeline
 
