@@ -256,25 +256,30 @@ class Client:
               details: bool = False) -> Any:
         """Run ``model`` on ``inputs`` and return its outputs (a Reply if ``details``)."""
         timeout = self.timeout if timeout is None else timeout
-        self.hello()
-        connection = self._connection()
+        session: Session = self._session  # compiled: its steps are C calls (client.pxd)
+        if session.offer is None:
+            self.hello()
+        connection = getattr(self._local, "connection", None)  # this thread's, once it has one
+        if connection is None:
+            connection = self._connection()
         for attempt in range(2):
-            messages, pending = self._session.build(model, inputs, timeout, details)
+            messages, pending = session.build(model, inputs, timeout, details)
             try:
                 _send(connection, messages, timeout)
                 header, frames = self._await(connection, pending.id, timeout + GRACE_S)
             except BaseException:
-                self._session.discard(pending)
+                session.discard(pending)
                 raise
-            reply = self._session.read(header, frames)
-            if attempt == 0 and self._session.forgotten(reply, pending):
+            reply = session.read(header, frames)
+            if attempt == 0 and session.forgotten(reply, pending):
                 continue
-            return self._session.decode(pending, reply, frames)
+            return session.decode(pending, reply, frames)
         raise AssertionError("unreachable: the second attempt always returns")
 
     def _await(self, connection: _Connection, request_id: Any, timeout: float) -> tuple[Any, list]:
         """(what Session.read takes, the payload) of the reply to ``request_id``."""
         deadline = _now() + timeout
+        session: Session = self._session
         while True:
             frames = connection.receive(deadline - _now())
             if frames is None:
@@ -282,7 +287,7 @@ class Client:
                     connection.drop()
                     raise _lost(self.endpoint)
                 raise _deadline_error(self.endpoint, timeout)
-            rid, header, payload = self._session.split(frames)
+            rid, header, payload = session.split(frames)
             if rid == request_id:
                 return header, payload
             # Anything else is a stale reply to a request we stopped waiting for: dropped.

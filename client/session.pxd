@@ -4,7 +4,7 @@
 
 from modelwarden.shared.codec cimport dtype_name, encode, frame_tensor, from_bytes, unflatten
 from modelwarden.shared.descriptors cimport ReplyCache
-from modelwarden.shared.protocol cimport pack, reply_parts, unpack_header
+from modelwarden.shared.protocol cimport infer_header, reply_parts, unpack_header
 
 
 cdef class Pending:
@@ -18,6 +18,7 @@ cdef class Session:
     cdef public bint want_shm, copy_outputs
 
     cpdef object build(self, object model, object inputs, object timeout, bint details=*)
+    cdef object _placement(self, Pending pending)
     cdef object _out_region(self, object model, list descs, Pending pending)
     cpdef object split(self, list frames)
     cpdef object read(self, object header, list frames)

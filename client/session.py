@@ -24,7 +24,7 @@ from modelwarden.shared.codec import (Elements, copy_into, decode_elements, dtyp
 from modelwarden.shared.descriptors import InferReply, ReplyCache, ReplyError, parse_reply
 from modelwarden.shared.errors import ERRORS, InternalError, RemoteError, Timeout, error_from_reply
 from modelwarden.shared.fdchannel import BufferChannelClient
-from modelwarden.shared.protocol import (INFER, SIGNATURE, ProtocolError, TensorDesc, pack,
+from modelwarden.shared.protocol import (SIGNATURE, ProtocolError, TensorDesc, infer_header,
                                          reply_parts, unpack_header)
 from modelwarden.shared.rawconfig import check_announced_channel
 from modelwarden.shared.shm import ALIGN, Region, ShmArena
@@ -118,11 +118,9 @@ class Session:
         except BaseException:
             self.release(pending)
             raise
-        header = {"type": INFER, "id": pending.id, "model": model, "inputs": encoded.tree,
-                  "tensors": encoded.descs, "timeout_ms": int(timeout * 1000)}
-        if out is not None:
-            header["out"] = out
-        return [[SIGNATURE, pack(header), *encoded.frames]], pending
+        header = infer_header(pending.id, model, encoded.tree, encoded.descs, int(timeout * 1000),
+                              out)
+        return [[SIGNATURE, header, *encoded.frames]], pending
 
     def _placement(self, pending: Pending):
         arena, threshold = self.arena, self.threshold
@@ -313,13 +311,16 @@ class Session:
             self.arena.close()
 
 
+_ndarray = np.ndarray  # compiled, a module global is a cached lookup; ``np.ndarray`` is not
+
+
 def all_numpy(leaves: list) -> bool:
     """Every input a numpy array (or str/bytes given as numpy), and at least one: the outputs
     come back as numpy too."""
     if not leaves:
         return False
     for leaf in leaves:
-        if not (isinstance(leaf, np.ndarray) or (isinstance(leaf, Elements) and leaf.numpy)):
+        if not (isinstance(leaf, _ndarray) or (isinstance(leaf, Elements) and leaf.numpy)):
             return False
     return True
 

@@ -70,6 +70,14 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
+# Names read per tensor, bound once: compiled, a module global is a cached dict lookup, where
+# ``torch.Tensor`` is a module attribute looked up at every call.
+_Tensor = torch.Tensor
+_ndarray = np.ndarray
+_from_numpy = torch.from_numpy
+_COMPLEX = ("complex64", "complex128")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     try:
         return DTYPE_NAMES[dtype]
@@ -78,10 +86,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def as_tensor(value: Any) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, _Tensor):
         return value
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value) if value.dtype != np.dtype("O") else _unsupported(value)
+    if isinstance(value, _ndarray):
+        return _from_numpy(value) if value.dtype != np.dtype("O") else _unsupported(value)
     return _unsupported(value)
 
 
@@ -184,8 +192,7 @@ def flatten(value: Any, leaves: list, depth: int = 0) -> Any:
     tensor, a numpy array, or one str/bytes value (``element_leaf``), which becomes Elements."""
     if depth > 16:
         raise TypeError("value nests deeper than 16 levels")
-    if isinstance(value, (torch.Tensor, np.ndarray)) and not (
-            isinstance(value, np.ndarray) and value.dtype.kind in "USO"):
+    if isinstance(value, _Tensor) or (isinstance(value, _ndarray) and value.dtype.kind not in "USO"):
         leaves.append(value)
         return len(leaves) - 1
     found = element_leaf(value)
@@ -235,23 +242,20 @@ def raw_bytes(tensor: torch.Tensor):
     return tensor.numpy()
 
 
-_ndarray = np.ndarray
-
-
 def from_bytes(buffer: Any, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over ``buffer`` (a frame, or anything else with the buffer protocol, or a numpy
     uint8 array over shared memory), without a copy. The tensor keeps ``buffer`` itself alive:
     a finalizer on it (the client's region release) runs only once the tensor is gone."""
-    if isinstance(buffer, np.ndarray):
+    if isinstance(buffer, _ndarray):
         # torch holds this very array; a numpy view of it would hold only its memory's owner.
-        flat = torch.from_numpy(buffer)
+        flat = _from_numpy(buffer)
         if dtype != "uint8":
             flat = flat.view(TORCH_DTYPES[dtype])
         return flat.reshape(shape)
     # A frame: one numpy array made in its shape over the frame's memory (a third cheaper than
     # np.frombuffer + reshape, which cost a fraction of torch.frombuffer + reshape). The array
     # holds the buffer's owner (the frame itself, or a memoryview's), which holds the memory.
-    tensor = torch.from_numpy(_ndarray(shape, NUMPY_VIEWS[dtype], buffer))
+    tensor = _from_numpy(_ndarray(shape, NUMPY_VIEWS[dtype], buffer))
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
 
 
@@ -323,16 +327,19 @@ def encode_leaves(leaves: list, place: Placement) -> tuple[list[dict], list]:
         if not tensor.is_cpu or not tensor.is_contiguous():
             tensor = tensor.detach().to("cpu").contiguous()
         descs.append(inline_desc(dtype, tensor.shape, len(frames)))
-        frames.append(inline_frame(tensor, nbytes))
+        frames.append(inline_frame(tensor, nbytes, dtype))
     return descs, frames
 
 
-def inline_frame(tensor: torch.Tensor, nbytes: int) -> Any:
+def inline_frame(tensor: torch.Tensor, nbytes: int, dtype: str | None = None) -> Any:
     """The frame of a contiguous CPU tensor sent inline: below COPIED_BELOW bytes its bytes,
     copied through its data pointer; else a numpy view, which keeps the tensor alive until
     libzmq has sent it. A tensor numpy refuses (one that requires grad, a lazily conjugated or
-    negated view) goes to numpy either way, which says why."""
-    if (nbytes < COPIED_BELOW and not tensor.requires_grad and not tensor.is_conj()
+    negated view) goes to numpy either way, which says why. ``dtype``, its name when the caller
+    knows it: only a complex tensor can be a conjugated view, and each question asked of a
+    tensor is a method call."""
+    if (nbytes < COPIED_BELOW and not tensor.requires_grad
+            and (dtype is not None and dtype not in _COMPLEX or not tensor.is_conj())
             and not tensor.is_neg()):
         return _copied(tensor.data_ptr(), nbytes)
     return raw_bytes(tensor)

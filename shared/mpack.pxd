@@ -73,6 +73,7 @@ cpdef bytes pack_uint(object value)
 cpdef bytes pack_two_after(bytes prefix, object first, bytes key, object second)
 @cython.locals(out=_Writer, index=cython.Py_ssize_t, array=list, value=cython.ulonglong)
 cpdef bytes pack_uint_arrays(bytes prefix, tuple keys, tuple arrays)
+cpdef bytes pack_keyed(bytes prefix, tuple keys, tuple values)
 @cython.locals(width=cython.Py_ssize_t, end=cython.Py_ssize_t, index=cython.Py_ssize_t)
 cdef Py_ssize_t put_uint(unsigned char *data, Py_ssize_t pos, unsigned long long value) noexcept
 

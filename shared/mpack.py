@@ -393,6 +393,21 @@ def pack_uint_arrays(prefix, keys, arrays):
     return out.result()
 
 
+def pack_keyed(prefix, keys, values):
+    """``prefix``, then per key its packed bytes (``keys[i]``, as given) and ``values[i]``
+    packed as ``pack`` packs it, as a map's entry: the tail of a map whose keys were packed
+    once (the client's request header), the same bytes as packing the whole map, without
+    writing each key again."""
+    if len(keys) != len(values):
+        raise ValueError("as many keys as values")
+    out = _Writer()
+    out.raw(prefix)
+    for index in range(len(keys)):
+        out.raw(keys[index])
+        _write(out, values[index], 1)  # a map's value: one level down, as _write_map writes it
+    return out.result()
+
+
 def put_uint(data, pos, value):
     """``value`` (0 <= value < 2**64) in msgpack's shortest unsigned form, written into ``data``
     (compiled: a C buffer; uncompiled: a bytearray) from ``pos``, which must leave 9 bytes of

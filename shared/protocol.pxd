@@ -8,8 +8,8 @@ from cpython.bytes cimport (PyBytes_AS_STRING, PyBytes_FromObject, PyBytes_FromS
 from libc.string cimport memcmp, memcpy
 
 cimport modelwarden.shared.mpack as mpack
-from modelwarden.shared.mpack cimport (pack as pack_value, pack_uint, read_at, uint_at,
-                                      unpack as read_msgpack, value_end, value_span)
+from modelwarden.shared.mpack cimport (pack as pack_value, pack_keyed, pack_uint, read_at,
+                                       uint_at, unpack as read_msgpack, value_end, value_span)
 
 cdef list _FIXMAPS
 cdef bytes _TIMING_KEY, _COMPUTE_KEY, _TOTAL_KEY, _BATCH_KEY
@@ -47,6 +47,8 @@ cdef InferRequest _with_id(InferRequest parsed, object rid)
 cpdef object unpack_header(object buf, bint strict=*)
 cpdef bytes pack(object header)
 cpdef tuple reply_parts(object frames)
+cpdef bytes infer_header(object rid, object model, object tree, object tensors, object timeout_ms,
+                         object out=*)
 @cython.locals(route=list, body=list)
 cpdef Envelope split_router_message(object frames)
 cpdef list reply_route(object frames)
@@ -88,7 +90,8 @@ cpdef object read_timing(bytes packed, Py_ssize_t start)
 @cython.locals(end=cython.Py_ssize_t, counts=list, key=bytes)
 cdef list _counts_after(bytes data, Py_ssize_t pos, tuple keys)
 cdef bytes _bytes_of(object frame)
-cdef tuple _RESULT_KEYS
+cdef tuple _RESULT_KEYS, _INFER_KEYS
+cdef bytes _INFER_PREFIX
 cdef dict _RESULT_MAP
 @cython.locals(counts=list, header=dict)
 cpdef object read_result(object packed)

@@ -22,8 +22,8 @@ except ImportError:
     cython = None  # uncompiled without Cython: only add_timing's compiled branch uses it
 
 import modelwarden.shared.mpack as mpack
-from modelwarden.shared.mpack import (pack as pack_value, pack_uint, read_at, uint_at,
-                                     unpack as read_msgpack, value_end, value_span)
+from modelwarden.shared.mpack import (pack as pack_value, pack_keyed, pack_uint, read_at,
+                                      uint_at, unpack as read_msgpack, value_end, value_span)
 
 SIGNATURE = b"MWP1"
 PROTOCOL_VERSION = 1
@@ -306,6 +306,29 @@ def result_header(rid: Any, compute_us: Any, batch: Any) -> bytes:
                          _RESULT_KEYS[2], pack_uint(batch)))
     return pack({"type": RESULT, "rid": rid, "ok": True, "compute_us": compute_us,
                  "batch": batch})
+
+
+# The client's request header, {"type": "infer", "id", "model", "inputs", "tensors",
+# "timeout_ms"[, "out"]}: the map's first byte and its constant first entry, then its keys.
+_INFER_KEY_NAMES = ("id", "model", "inputs", "tensors", "timeout_ms", "out")
+_INFER_KEYS = tuple(pack_value(name) for name in _INFER_KEY_NAMES)
+_INFER_PREFIX = pack_value("type") + pack_value(INFER)
+
+
+def infer_header(rid: Any, model: Any, tree: Any, tensors: Any, timeout_ms: Any,
+                 out: Any = None) -> bytes:
+    """``pack({"type": "infer", "id": rid, "model": model, "inputs": tree, "tensors": tensors,
+    "timeout_ms": timeout_ms})``, with ``"out": out`` last unless it is None, byte for byte: the
+    client's header of every request. Compiled, its keys are packed once (mpack.pack_keyed)
+    and no dict is made; uncompiled, msgpack packs the dict."""
+    values = (rid, model, tree, tensors, timeout_ms) if out is None else (
+        rid, model, tree, tensors, timeout_ms, out)
+    if COMPILED:
+        return pack_keyed(_FIXMAPS[len(values) + 1] + _INFER_PREFIX, _INFER_KEYS[:len(values)],
+                          values)
+    header = {"type": INFER}
+    header.update(zip(_INFER_KEY_NAMES, values))
+    return pack(header)
 
 
 def unpack_header(buf, strict: bool = True) -> dict:

@@ -540,3 +540,22 @@ def test_a_large_inline_frame_is_a_view_of_the_tensor_and_one_numpy_refuses_stil
                     torch.randn(4, dtype=torch.complex64).conj().imag):
         with pytest.raises(RuntimeError):
             codec.inline_frame(refused, refused.nbytes)
+
+
+@pytest.mark.parametrize("name", ["conj", "neg"])
+def test_a_small_lazily_conjugated_or_negated_tensor_is_never_sent_as_its_stored_bytes(name):
+    """encode knows each leaf's dtype and asks a tensor whether it is a conjugated view only when
+    it is complex (no other can be): a conjugated or negated view is refused, as numpy refuses
+    it, or sent as its values, never as the bytes it stores, which hold other values."""
+    base = torch.randn(4, dtype=torch.complex64)
+    # imag of a conj: a float view with the neg bit (strided: made contiguous before the frame)
+    tensor = base.conj() if name == "conj" else base.conj().imag
+    assert tensor.is_conj() or tensor.is_neg()
+    plain = tensor.resolve_conj().resolve_neg()
+    try:
+        encoded = encode(tensor, codec.inline_only)
+    except RuntimeError as exc:
+        assert "conjugate" in str(exc) or "negative" in str(exc)
+        return
+    sent = codec.frame_tensor(parse_tensors(encoded.descs)[0], encoded.frames)
+    assert torch.equal(sent, plain)

@@ -212,6 +212,35 @@ def test_pack_uint_arrays_refuses_what_is_not_a_uint64(bad):
         mpack.pack_uint_arrays(b"\x81", (b"\xa1k",), ())
 
 
+def test_pack_keyed_writes_the_map_msgpack_would_and_refuses_what_pack_refuses():
+    """The request header's writer: keys packed once, each value packed as pack packs it (one
+    level down), whatever it holds."""
+    rng = random.Random(7)
+    for _ in range(200):
+        names = [f"k{index}" for index in range(rng.randrange(0, 20))]
+        values = tuple(random_value(rng, 1) for _ in names)
+        prefix = bytes((0x80 + len(names),)) if len(names) < 16 else b"\xde\x00" + bytes((len(names),))
+        packed = mpack.pack_keyed(prefix, tuple(msgpack.packb(name) for name in names), values)
+        assert packed == msgpack.packb(dict(zip(names, values)), use_bin_type=True)
+    with pytest.raises(ValueError):
+        mpack.pack_keyed(b"\x81", (b"\xa1k",), ())
+    with pytest.raises(TypeError):
+        mpack.pack_keyed(b"\x81", (b"\xa1k",), (object(),))
+    deep: list = []
+    for depth in range(mpack.MAX_DEPTH + 2):  # as deep as pack takes, counting the map's level
+        try:
+            expected = mpack.pack({"k": deep})
+        except ValueError:
+            with pytest.raises(ValueError):
+                mpack.pack_keyed(b"\x81", (b"\xa1k",), (deep,))
+            assert depth >= mpack.MAX_DEPTH - 1
+            break
+        assert mpack.pack_keyed(b"\x81", (b"\xa1k",), (deep,)) == expected
+        deep = [deep]
+    else:
+        raise AssertionError("pack took a value nested deeper than its limit")
+
+
 def test_subclasses_of_str_int_and_dict_are_written_as_their_base():
     import enum
 

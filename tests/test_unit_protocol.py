@@ -714,6 +714,22 @@ def test_the_workers_result_header_is_msgpacks_bytes_and_read_result_reads_it_in
         assert protocol.read_result(written) == {"type": "result", "ok": True, **fields}
 
 
+@pytest.mark.parametrize("out", [None, ["tok", 4096, 1 << 20]])
+@pytest.mark.parametrize("rid", [1, 2**40, "request-7", 2**64 - 1])
+def test_the_clients_request_header_is_msgpacks_bytes_of_its_map(rid, out):
+    tree = {"dict": {"x": 0, "y": [1, {"tuple": [2]}]}}
+    tensors = [{"dtype": "float32", "shape": [1, 256], "frame": 0},
+               {"dtype": "str", "shape": [2], "nbytes": 12, "longest": 3, "shm": ["t", 0, 12]},
+               {"dtype": "int64", "shape": [], "frame": 1}]
+    header = {"type": "infer", "id": rid, "model": "mod\u00e9l", "inputs": tree,
+              "tensors": tensors, "timeout_ms": 30_000}
+    if out is not None:
+        header["out"] = out
+    written = protocol.infer_header(rid, "mod\u00e9l", tree, tensors, 30_000, out)
+    assert written == msgpack.packb(header, use_bin_type=True)
+    assert protocol.unpack_header(written) == header
+
+
 @pytest.mark.parametrize("rid, compute_us", [(-1, 5), (7, 1.5), ("7", 5), (True, 5)])
 def test_a_result_header_of_values_that_are_not_counts_is_packed_as_a_map(rid, compute_us):
     written = protocol.result_header(rid, compute_us, 1)
