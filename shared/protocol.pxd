@@ -47,6 +47,8 @@ cdef InferRequest _with_id(InferRequest parsed, object rid)
 cpdef object unpack_header(object buf, bint strict=*)
 cpdef bytes pack(object header)
 cpdef tuple reply_parts(object frames)
+cpdef bytes reply_header(object client_id, object tree, object tensors, object worker,
+                         object version)
 cpdef bytes infer_header(object rid, object model, object tree, object tensors, object timeout_ms,
                          object out=*)
 @cython.locals(route=list, body=list)
@@ -90,7 +92,7 @@ cpdef object read_timing(bytes packed, Py_ssize_t start)
 @cython.locals(end=cython.Py_ssize_t, counts=list, key=bytes)
 cdef list _counts_after(bytes data, Py_ssize_t pos, tuple keys)
 cdef bytes _bytes_of(object frame)
-cdef tuple _RESULT_KEYS, _INFER_KEYS
+cdef tuple _RESULT_KEYS, _INFER_KEYS, _REPLY_KEYS
 cdef bytes _INFER_PREFIX
 cdef dict _RESULT_MAP
 @cython.locals(counts=list, header=dict)

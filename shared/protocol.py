@@ -331,6 +331,23 @@ def infer_header(rid: Any, model: Any, tree: Any, tensors: Any, timeout_ms: Any,
     return pack(header)
 
 
+# A worker's success reply to the client, {"id", "ok": True, "outputs", "tensors", "worker",
+# "version"}: its keys, packed once ("ok" and its value true are the second key's tail).
+_REPLY_KEY_NAMES = ("id", "ok", "outputs", "tensors", "worker", "version")
+_REPLY_KEYS = tuple(pack_value(name) for name in _REPLY_KEY_NAMES)
+
+
+def reply_header(client_id: Any, tree: Any, tensors: Any, worker: Any, version: Any) -> bytes:
+    """``pack({"id": client_id, "ok": True, "outputs": tree, "tensors": tensors, "worker":
+    worker, "version": version})``, byte for byte: the worker's reply header of every success
+    (the layout the client's reply cache reads: its first key is "id"), written from its keys
+    packed once; uncompiled, msgpack packs the dict."""
+    values = (client_id, True, tree, tensors, worker, version)
+    if COMPILED:
+        return pack_keyed(_FIXMAPS[len(values)], _REPLY_KEYS, values)
+    return pack(dict(zip(_REPLY_KEY_NAMES, values)))
+
+
 def unpack_header(buf, strict: bool = True) -> dict:
     """Decode one header frame with hard limits; never trusts its size or shape.
 

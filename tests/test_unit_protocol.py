@@ -730,6 +730,20 @@ def test_the_clients_request_header_is_msgpacks_bytes_of_its_map(rid, out):
     assert protocol.unpack_header(written) == header
 
 
+@pytest.mark.parametrize("client_id", [1, 2**63, "c-1", None])
+@pytest.mark.parametrize("version", [None, "v2"])
+def test_the_workers_reply_header_is_msgpacks_bytes_of_its_map(client_id, version):
+    """Byte for byte what packing the map writes: the client's reply cache reads its layout."""
+    tree = [0, {"dict": {"y": 1}}]
+    tensors = [{"dtype": "float32", "shape": [1, 10], "frame": 0},
+               {"dtype": "uint8", "shape": [4096], "shm": ["tok", 64, 4096]}]
+    written = protocol.reply_header(client_id, tree, tensors, "w1-0", version)
+    reply = {"id": client_id, "ok": True, "outputs": tree, "tensors": tensors, "worker": "w1-0",
+             "version": version}
+    assert written == msgpack.packb(reply, use_bin_type=True)
+    assert protocol.unpack_header(written, strict=False) == reply
+
+
 @pytest.mark.parametrize("rid, compute_us", [(-1, 5), (7, 1.5), ("7", 5), (True, 5)])
 def test_a_result_header_of_values_that_are_not_counts_is_packed_as_a_map(rid, compute_us):
     written = protocol.result_header(rid, compute_us, 1)

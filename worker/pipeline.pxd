@@ -4,6 +4,9 @@
 from modelwarden.shared.codec cimport flatten, unflatten
 
 
+cpdef object _rows(list leaves, int dim)
+
+
 cdef class Pipeline:
     cdef public object handler, model, batching, padded, keep_length, mask
     cdef public int dim

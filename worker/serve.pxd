@@ -4,6 +4,7 @@
 
 from modelwarden.shared.codec cimport encode_leaves, from_bytes
 from modelwarden.shared.link cimport Link
+from modelwarden.shared.protocol cimport InferCache, reply_header, result_header, unpack_header
 from modelwarden.worker.pipeline cimport Pipeline
 
 
@@ -20,7 +21,8 @@ cdef class WorkerServer:
     cdef public Pipeline pipeline
     cdef public SupervisorLink link
     cdef public object spec, device, parent_sentinel, probe_value, segments
-    cdef public object stream, parses, pack, worker_id, version, shm_threshold
+    cdef public object stream, pack, worker_id, version, shm_threshold
+    cdef public InferCache parses
     cdef public Py_ssize_t served
     cdef public bint reject_nonfinite, on_cpu
 

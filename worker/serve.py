@@ -30,7 +30,8 @@ from modelwarden.shared.codec import (OutRegion, check_bool_bytes, check_finite,
                                       encode_leaves, from_bytes, reply_placement)
 from modelwarden.shared.config import WorkerSpec
 from modelwarden.shared.protocol import (BAD_INPUT, BAD_REQUEST, MODEL_ERROR, OUT_OF_MEMORY, TIMEOUT,
-                                         ProtocolError)
+                                         ProtocolError, reply_header, result_header,
+                                         unpack_header)
 from modelwarden.shared.shm import ALIGN, Segment
 from modelwarden.shared.link import Link
 from modelwarden.shared.sockets import Poller
@@ -155,7 +156,7 @@ class WorkerServer:
 
     def _handle(self, frames: list) -> int | None:
         try:
-            header = protocol.unpack_header(frames[0], strict=False)
+            header = unpack_header(frames[0], False)
         except ProtocolError as exc:
             logger.error("dropping a malformed message from the supervisor: %s", exc.message)
             return None
@@ -240,7 +241,7 @@ class WorkerServer:
             raw = bytes(frames[0])
             request = self.parses.parse(raw, len(payload))  # a header seen before but for its id
             if request is None:
-                header = protocol.unpack_header(raw, strict=False)
+                header = unpack_header(raw, False)
                 client_id = header.get("id")
                 request = protocol.parse_infer(header, len(payload))
                 self.parses.learn(raw, request, len(payload))
@@ -367,7 +368,7 @@ class WorkerServer:
                                 "compute_us": compute_us, "batch": 1,
                                 "cuda_bytes": torch.cuda.memory_allocated(self.device)})]
         else:
-            parts = [protocol.result_header(call.rid, compute_us, 1)]
+            parts = [result_header(call.rid, compute_us, 1)]
         parts.extend(reply)
         self.link.send_parts(parts)
         self.served += 1
@@ -375,9 +376,7 @@ class WorkerServer:
     def _reply_parts(self, call: "Call", tree: Any, leaves: list) -> list:
         """[the client's reply header, payload frames...] of a success."""
         descs, frames = self._encode(leaves, call.out, call.sources)
-        reply = {"id": call.client_id, "ok": True, "outputs": tree, "tensors": descs,
-                 "worker": self.worker_id, "version": self.version}
-        return [self.pack(reply), *frames]
+        return [reply_header(call.client_id, tree, descs, self.worker_id, self.version), *frames]
 
     def _answer_failure(self, rid: Any, client_id: Any, exc: BaseException) -> None:
         rid, _, code, parts = self._failure_parts(rid, client_id, exc)
