@@ -103,6 +103,7 @@ report-data: $(BENCH_STAMP)
 	-$(PY) bench/soak.py --minutes 2 --json docs/results/soak.json
 	-$(PY) bench/text.py --json docs/results/text.json
 	-$(PY) bench/instructions.py --json docs/results/instructions.json
+	-$(PY) bench/payloads.py --cpu-against uncompiled --json docs/results/cpu_round_trip.json
 	$(PY) bench/report.py
 
 # Not part of `make test`: breaks each mechanism on purpose and checks its tests fail.

@@ -1,6 +1,7 @@
 """Payload transport benchmark: modelwarden against the alternatives, in one run.
 
     python bench/payloads.py [--quick] [--json PATH]
+    python bench/payloads.py --cpu-against CHECKOUT|uncompiled [--turns N] [--json PATH]
 
 Round trips of an identity model (forward(x) = x, no copy) for payloads of 1 KiB, 1 MiB and
 64 MiB, single client, sequential. Prints a table (p50, p99, requests/s, MB/s), the ratios the
@@ -25,6 +26,15 @@ The targets compare against the faster of memcpy and copy-threads.
 
 After the table comes "where the time goes": the CPU time (user + system, all threads) that the
 client, the supervisor and the worker each spend per 1 KiB request, over ipc:// and over unix://.
+
+``--cpu-against`` measures only that, for issue 24's client and worker targets (each at most
+0.4x the CPU of the path before the change): N turns, each this checkout's ``--cpu-only`` then
+the other's (another checkout, compiled in place, run by its own bench/payloads.py: ``git
+worktree add /tmp/base COMMIT`` and ``python setup.py build_ext --inplace`` there; or
+``uncompiled``, a copy of this checkout without its compiled modules), side by side. A process's
+CPU is read in clock ticks (10 ms), so one turn's ratio moves by several percent: the medians of
+the turns' ratios are stated, for this checkout over ipc:// and over unix:// against the other
+over ipc://.
 """
 
 from __future__ import annotations
@@ -224,6 +234,76 @@ def bench_uncompiled_cpu(workdir: Path, quick: bool) -> dict | str:
     if result.returncode != 0:
         raise RuntimeError(f"the uncompiled run failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.splitlines()[-1])
+
+
+# Issue 24: a 1 KiB round trip's CPU in the client and in the worker, each <= 0.4x the path before
+CPU_TARGETS = {"client_us": 0.4, "worker_us": 0.4}
+CPU_PARTS = ("client_us", "supervisor_us", "worker_us", "wall_us")
+
+
+def cpu_of_tree(tree: Path) -> dict:
+    """``--cpu-only``'s row, measured by ``tree``'s own bench/payloads.py (its daemon, its
+    worker and its client: that tree's request path throughout)."""
+    done = subprocess.run([sys.executable, str(tree / "bench" / "payloads.py"), "--cpu-only"],
+                          cwd=tree, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(tree)})
+    if done.returncode != 0:
+        raise RuntimeError(f"--cpu-only in {tree} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def cpu_targets(rows: list[dict]) -> tuple[dict, list[dict]]:
+    """(per transport and process, the median of the turns' ratios; issue 24's targets on
+    them): a slow turn slows both checkouts, so each turn's own ratio is what is kept."""
+    medians = {over: {part: statistics.median(row["ratios"][over][part] for row in rows)
+                      for part in CPU_PARTS}
+               for over in rows[0]["ratios"]}
+    report = [{"target": f"{part[:-3]} CPU per 1 KiB round trip over {over}://, this / the other "
+                         "(median of the turns)",
+               "value": medians[over][part], "op": "<=", "bound": bound,
+               "met": medians[over][part] <= bound}
+              for over in medians for part, bound in CPU_TARGETS.items()]
+    return medians, report
+
+
+def cpu_against(other: str, turns: int, json_path: str | None) -> int:
+    """``--cpu-against``: this checkout's CPU per 1 KiB round trip over the other's, in turns."""
+    from bench.machine import command, machine
+    from modelwarden.testing import copy_checkout
+
+    workdir = Path(tempfile.mkdtemp(prefix="mwcpu-", dir="/tmp"))
+    try:
+        if other == "uncompiled":
+            tree = workdir / "uncompiled"
+            copy_checkout(ROOT, tree)
+        else:
+            tree = Path(other).resolve()
+        rows = []
+        for turn in range(1, turns + 1):
+            ours, theirs = cpu_of_tree(ROOT), cpu_of_tree(tree)
+            row = {"turn": turn, "this": ours, "other": theirs,
+                   "ratios": {over: {part: round(mine[part] / theirs[part], 3) for part in CPU_PARTS}
+                              for over, mine in (("ipc", ours), ("unix", ours.get("unix")))
+                              if mine is not None}}
+            rows.append(row)
+            print(f"turn {turn}: other {theirs.get('request_path')}: "
+                  + "; ".join(f"{over} " + ", ".join(f"{part[:-3]} {value:.2f}x"
+                                                      for part, value in ratios.items())
+                              for over, ratios in row["ratios"].items()), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    medians, report = cpu_targets(rows)
+    print()
+    for row in report:
+        print(f"{'MET ' if row['met'] else 'MISS'} {row['target']:70s} {row['value']:.2f} "
+              f"(target {row['op']} {row['bound']})")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps({"machine": machine(), "command": command(),
+                                               "other": other, "turns": rows, "medians": medians,
+                                               "targets": report}, indent=2) + "\n")
+        print(f"\nwrote {json_path}")
+    return 0
 
 
 def cpu_only(quick: bool) -> int:
@@ -465,9 +545,17 @@ def main() -> int:
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "payloads.json"))
     parser.add_argument("--cpu-only", action="store_true",
                         help="print one JSON line: CPU per 1 KiB round trip in each process")
+    parser.add_argument("--cpu-against", metavar="CHECKOUT|uncompiled",
+                        help="only the CPU per 1 KiB round trip, this checkout's over another's "
+                             "(or over this one uncompiled), in turns; issue 24's client and "
+                             "worker targets")
+    parser.add_argument("--turns", type=int, default=5, help="turns of --cpu-against")
     args = parser.parse_args()
     if args.cpu_only:
         return cpu_only(args.quick)
+    if args.cpu_against:
+        return cpu_against(args.cpu_against, args.turns,
+                           None if args.json == parser.get_default("json") else args.json)
     from bench.machine import command, machine
 
     measured_on = machine()

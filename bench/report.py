@@ -8,7 +8,7 @@ Each benchmark writes its measurements, the machine it ran on and the command th
 (bench/machine.py) as JSON: serving.json (bench/serving.py), recovery.json (bench/recovery.py),
 memory.json (bench/memory.py), payloads.json (bench/payloads.py), soak.json (bench/soak.py),
 text.json (bench/text.py), instructions.json (bench/instructions.py), ceiling.json
-(bench/ceiling.py).
+(bench/ceiling.py), cpu_round_trip.json (bench/payloads.py --cpu-against).
 The JSON in docs/results/ is committed beside the figures it drew, so this script regenerates
 the document without running anything; a file that is missing makes its section say how to
 measure it. Every number in the document comes from those files; the prose around them is here.
@@ -755,6 +755,40 @@ def instructions_section(data: dict | None) -> list[str]:
     return out
 
 
+# -- CPU per 1 KiB round trip against the checkout before the change (payloads --cpu-against) --
+
+def round_trip_cpu_section(data: dict | None) -> list[str]:
+    out = ["## CPU per 1 KiB round trip: against the checkout before the change", ""]
+    if data is None:
+        return out + not_measured("python bench/payloads.py --cpu-against CHECKOUT "
+                                  "--json docs/results/cpu_round_trip.json")
+    other = ("a copy of this checkout without its compiled modules" if data["other"] == "uncompiled"
+             else f"`{data['other']}` (the commit before the compiled request path, `acfd321`, "
+                  "built in place)")
+    out += [
+        "`bench/payloads.py --cpu-against` measures the CPU time (user + system, every thread) "
+        "that a client, the supervisor and the worker each spend per sequential 1 KiB round "
+        f"trip to an identity model, in this checkout and in another, side by side, in turns: "
+        f"here {other}, whose own bench/payloads.py measures its own daemon, worker and "
+        "client over `ipc://`. This checkout is measured over `ipc://` and over its local "
+        "frontend, `unix://`. A process's CPU is read in clock ticks, so a turn's ratio moves by "
+        "several percent; the targets read the medians of the turns' own ratios.", ""]
+    out += provenance(data) + [""]
+    rows = []
+    for turn in data["turns"]:
+        for over, ratios in turn["ratios"].items():
+            mine = turn["this"] if over == "ipc" else turn["this"]["unix"]
+            rows.append([str(turn["turn"]), f"{over}://",
+                         *(f"{mine[part]:.1f} / {turn['other'][part]:.1f} ({ratios[part]:.2f}x)"
+                           for part in ("client_us", "supervisor_us", "worker_us", "wall_us"))])
+    out += table(["turn", "this checkout over", "client µs (this / before)", "supervisor µs",
+                  "worker µs", "wall µs"], rows) + [""]
+    out += table(["target", "bound", "measured", ""],
+                 [[t["target"], f"{t['op']} {t['bound']:g}", f"{t['value']:.2f}", verdict(t["met"])]
+                  for t in data["targets"]]) + [""]
+    return out
+
+
 # -- the supervisor's ceiling (CPU per request against a C proxy's, alternating rounds) ---------
 
 def ceiling_section(data: dict | None) -> list[str]:
@@ -973,6 +1007,7 @@ def render(results: Path, img: Path) -> str:
     lines += memory_section(load(results, "memory"), img)
     lines += payloads_section(load(results, "payloads"), img)
     lines += instructions_section(load(results, "instructions"))
+    lines += round_trip_cpu_section(load(results, "cpu_round_trip"))
     lines += ceiling_section(load(results, "ceiling"))
     lines += text_section(load(results, "text"), img)
     lines += soak_section(load(results, "soak"))

@@ -150,3 +150,21 @@ def test_the_instruction_counts_put_unix_rows_against_the_others_over_ipc():
     assert report["client, 1 KiB round trip: compiled / against"]["met"] is False  # 0.625
     assert report["worker, 1 KiB round trip: compiled / uncompiled"]["met"] is False  # 0.45
     assert not [target for target in report if target.startswith("worker") and "unix" in target]
+
+
+def test_the_round_trip_cpu_targets_take_the_median_of_each_turns_own_ratio():
+    """bench/payloads.py --cpu-against: a turn's ratio is this checkout's CPU over the other's
+    in that turn; the targets (client and worker <= 0.4x) read the medians, per transport."""
+    from bench import payloads
+
+    def turn(client, worker):
+        parts = {"client_us": client, "supervisor_us": 0.5, "worker_us": worker, "wall_us": 0.5}
+        return {"ratios": {"ipc": dict(parts), "unix": {**parts, "client_us": client / 2}}}
+
+    rows = [turn(0.9, 0.3), turn(0.5, 0.45), turn(0.6, 0.2)]
+    medians, report = payloads.cpu_targets(rows)
+    assert medians["ipc"]["client_us"] == 0.6 and medians["unix"]["client_us"] == 0.3
+    assert medians["ipc"]["worker_us"] == 0.3
+    verdicts = {(line["target"].split()[0], "unix" in line["target"]): line["met"] for line in report}
+    assert verdicts == {("client", False): False, ("worker", False): True,
+                        ("client", True): True, ("worker", True): True}
