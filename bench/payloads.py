@@ -228,12 +228,7 @@ def bench_uncompiled_cpu(workdir: Path, quick: bool) -> dict | str:
         return "not a git checkout: no uncompiled copy to make"
     tree = workdir / "uncompiled"
     copy_checkout(ROOT, tree)
-    result = subprocess.run([sys.executable, str(tree / "bench" / "payloads.py"), "--cpu-only",
-                             *(["--quick"] if quick else [])], cwd=tree, capture_output=True,
-                            text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(tree)})
-    if result.returncode != 0:
-        raise RuntimeError(f"the uncompiled run failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.splitlines()[-1])
+    return cpu_of_tree(tree, quick)
 
 
 # Issue 24: a 1 KiB round trip's CPU in the client and in the worker, each <= 0.4x the path before
@@ -241,10 +236,11 @@ CPU_TARGETS = {"client_us": 0.4, "worker_us": 0.4}
 CPU_PARTS = ("client_us", "supervisor_us", "worker_us", "wall_us")
 
 
-def cpu_of_tree(tree: Path) -> dict:
+def cpu_of_tree(tree: Path, quick: bool = False) -> dict:
     """``--cpu-only``'s row, measured by ``tree``'s own bench/payloads.py (its daemon, its
     worker and its client: that tree's request path throughout)."""
-    done = subprocess.run([sys.executable, str(tree / "bench" / "payloads.py"), "--cpu-only"],
+    done = subprocess.run([sys.executable, str(tree / "bench" / "payloads.py"), "--cpu-only",
+                           *(["--quick"] if quick else [])],
                           cwd=tree, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(tree)})
     if done.returncode != 0:

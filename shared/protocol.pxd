@@ -93,7 +93,7 @@ cpdef object read_timing(bytes packed, Py_ssize_t start)
 cdef list _counts_after(bytes data, Py_ssize_t pos, tuple keys)
 cdef bytes _bytes_of(object frame)
 cdef tuple _RESULT_KEYS, _INFER_KEYS, _REPLY_KEYS
-cdef bytes _INFER_PREFIX
+cdef bytes _keyed_map(tuple names, tuple keys, tuple values)
 cdef dict _RESULT_MAP
 @cython.locals(counts=list, header=dict)
 cpdef object read_result(object packed)

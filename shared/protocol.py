@@ -308,44 +308,41 @@ def result_header(rid: Any, compute_us: Any, batch: Any) -> bytes:
                  "batch": batch})
 
 
-# The client's request header, {"type": "infer", "id", "model", "inputs", "tensors",
-# "timeout_ms"[, "out"]}: the map's first byte and its constant first entry, then its keys.
-_INFER_KEY_NAMES = ("id", "model", "inputs", "tensors", "timeout_ms", "out")
+def _keyed_map(names: tuple, keys: tuple, values: tuple) -> bytes:
+    """``pack(dict(zip(names, values)))``, byte for byte, for at most 15 entries; ``keys`` are
+    ``names`` packed once. Compiled, no dict is made and no key is written again
+    (mpack.pack_keyed); uncompiled, msgpack packs the dict."""
+    if COMPILED:
+        return pack_keyed(_FIXMAPS[len(values)], keys[:len(values)], values)
+    return pack(dict(zip(names, values)))
+
+
+# The client's request header, in this order; "out" only when the request has an out region.
+_INFER_KEY_NAMES = ("type", "id", "model", "inputs", "tensors", "timeout_ms", "out")
 _INFER_KEYS = tuple(pack_value(name) for name in _INFER_KEY_NAMES)
-_INFER_PREFIX = pack_value("type") + pack_value(INFER)
 
 
 def infer_header(rid: Any, model: Any, tree: Any, tensors: Any, timeout_ms: Any,
                  out: Any = None) -> bytes:
     """``pack({"type": "infer", "id": rid, "model": model, "inputs": tree, "tensors": tensors,
     "timeout_ms": timeout_ms})``, with ``"out": out`` last unless it is None, byte for byte: the
-    client's header of every request. Compiled, its keys are packed once (mpack.pack_keyed)
-    and no dict is made; uncompiled, msgpack packs the dict."""
-    values = (rid, model, tree, tensors, timeout_ms) if out is None else (
-        rid, model, tree, tensors, timeout_ms, out)
-    if COMPILED:
-        return pack_keyed(_FIXMAPS[len(values) + 1] + _INFER_PREFIX, _INFER_KEYS[:len(values)],
-                          values)
-    header = {"type": INFER}
-    header.update(zip(_INFER_KEY_NAMES, values))
-    return pack(header)
+    client's header of every request."""
+    values = (INFER, rid, model, tree, tensors, timeout_ms) if out is None else (
+        INFER, rid, model, tree, tensors, timeout_ms, out)
+    return _keyed_map(_INFER_KEY_NAMES, _INFER_KEYS, values)
 
 
-# A worker's success reply to the client, {"id", "ok": True, "outputs", "tensors", "worker",
-# "version"}: its keys, packed once ("ok" and its value true are the second key's tail).
+# A worker's success reply to the client, in this order (the client's reply cache reads its
+# layout: the first key is "id").
 _REPLY_KEY_NAMES = ("id", "ok", "outputs", "tensors", "worker", "version")
 _REPLY_KEYS = tuple(pack_value(name) for name in _REPLY_KEY_NAMES)
 
 
 def reply_header(client_id: Any, tree: Any, tensors: Any, worker: Any, version: Any) -> bytes:
     """``pack({"id": client_id, "ok": True, "outputs": tree, "tensors": tensors, "worker":
-    worker, "version": version})``, byte for byte: the worker's reply header of every success
-    (the layout the client's reply cache reads: its first key is "id"), written from its keys
-    packed once; uncompiled, msgpack packs the dict."""
-    values = (client_id, True, tree, tensors, worker, version)
-    if COMPILED:
-        return pack_keyed(_FIXMAPS[len(values)], _REPLY_KEYS, values)
-    return pack(dict(zip(_REPLY_KEY_NAMES, values)))
+    worker, "version": version})``, byte for byte: the worker's reply header of every success."""
+    return _keyed_map(_REPLY_KEY_NAMES, _REPLY_KEYS, (client_id, True, tree, tensors, worker,
+                                                      version))
 
 
 def unpack_header(buf, strict: bool = True) -> dict:
