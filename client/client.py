@@ -83,8 +83,8 @@ from modelwarden.shared.errors import (BadInput, BadRequest, ConnectionLost, Int
                                        Poison, RemoteError, ShuttingDown, Timeout, UnknownModel,
                                        WorkerDied)
 from modelwarden.client.ipcaccess import check_ipc_endpoint
-from modelwarden.shared.rawconfig import (ENV_CONFIG, ENV_ENDPOINT, client_runtime_dir, discovered_socket,
-                                          frontend_endpoints)
+from modelwarden.shared.rawconfig import (ENV_CONFIG, ENV_ENDPOINT, client_runtime_dir,
+                                          discovered_frontend, frontend_endpoints)
 from modelwarden.client.session import GRACE_S, HELLO_TIMEOUT_S, Reply, Session
 from modelwarden.shared.sockets import Poller, recv_frames
 
@@ -94,20 +94,27 @@ from modelwarden.shared.sockets import Poller, recv_frames
 
 def default_endpoint() -> str:
     """MODELWARDEN_ENDPOINT; else the first ``unix://`` frontend of MODELWARDEN_CONFIG, its first
-    ``ipc://`` one, or its first; else the local
-    daemon's default socket, once its directory and socket show that this user, root or the
-    system daemon made them (shared/trustdir.py: UntrustedRuntimeDir, a PermissionError,
-    naming the path and its owner; NoDaemon when the directory does not exist)."""
+    ``ipc://`` one, or its first; else the local daemon's own socket in its default directory
+    (``local.sock`` where it made one, else ``frontend.sock``), once the directory and the
+    socket show that this user, root or the system daemon made them (shared/trustdir.py:
+    UntrustedRuntimeDir, a PermissionError, naming the path and its owner; NoDaemon when the
+    directory does not exist)."""
     if os.environ.get(ENV_ENDPOINT):
         return os.environ[ENV_ENDPOINT]
     if os.environ.get(ENV_CONFIG):
-        frontends = frontend_endpoints()
-        # On this host: the local frontend (no ZeroMQ between), else an ipc one (shared memory).
-        local = [endpoint for endpoint in frontends if endpoint.startswith(("unix://", "ipc://"))]
-        local.sort(key=lambda endpoint: not is_local(endpoint))
-        if local or frontends:
-            return (local or frontends)[0]
-    return discovered_socket(client_runtime_dir(), "frontend.sock")
+        chosen = preferred_frontend(frontend_endpoints())
+        if chosen is not None:
+            return chosen
+    return discovered_frontend(client_runtime_dir())
+
+
+def preferred_frontend(frontends: list[str]) -> str | None:
+    """Of a configuration's frontends, the one a client on the daemon's host uses: the first
+    ``unix://`` one (no ZeroMQ between), else the first ``ipc://`` one (shared memory), else
+    the first; None when there is none."""
+    on_this_host = [endpoint for endpoint in frontends if endpoint.startswith(("unix://", "ipc://"))]
+    on_this_host.sort(key=lambda endpoint: not is_local(endpoint))
+    return (on_this_host or frontends or [None])[0]
 
 
 # -- one socket ---------------------------------------------------------------------------------

@@ -87,10 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(named inputs)")
     infer.add_argument("--output", "-o", metavar="FILE",
                        help="write outputs to .npy (one tensor) or .npz (several)")
-    infer.add_argument("--endpoint", help="frontend endpoint (default: with --config, its first "
-                                          "frontend; else MODELWARDEN_ENDPOINT, "
-                                          "$MODELWARDEN_CONFIG's first ipc frontend, or the "
-                                          "local daemon)")
+    infer.add_argument("--endpoint", help="frontend endpoint (default: the first unix://, else ipc:// "
+                                          "frontend of --config; else MODELWARDEN_ENDPOINT, the "
+                                          "same of $MODELWARDEN_CONFIG, or the local daemon's "
+                                          "local.sock, else its frontend.sock)")
     infer.add_argument("--timeout", type=float, default=30.0, help="seconds (default 30)")
     infer.add_argument("--server-key", metavar="FILE",
                        help="tcp with CURVE: the server's public .key file, or its z85 key "
@@ -313,7 +313,9 @@ def cmd_infer(args) -> int:
 
     endpoint = args.endpoint
     if endpoint is None and args.config:
-        endpoint = _settings(args).frontends[0]
+        from modelwarden.client.client import preferred_frontend
+
+        endpoint = preferred_frontend(_settings(args).frontends)
     if args.output:
         _check_output(args.output)
     inputs = _read_inputs(args.input)

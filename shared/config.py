@@ -25,7 +25,7 @@ from modelwarden.shared.protocol import DTYPES, ELEMENT_TYPES
 from modelwarden.shared.rawconfig import (  # noqa: F401  (the names config's users import)
     ENV_CLIENT_KEY, ENV_CONFIG, ENV_ENDPOINT, ENV_PREFIX, ENV_SERVER_KEY, SYSTEM_RUNTIME_DIR,
     ConfigError, admin_endpoint, client_runtime_dir, config_path, control_endpoint,
-    default_runtime_dir, raw_settings, read_toml, runtime_dir)
+    default_frontends, default_runtime_dir, raw_settings, read_toml, runtime_dir)
 
 SOURCE_SCHEMES = ("torchscript", "export", "python", "handler")
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -540,7 +540,7 @@ class Settings(BaseSettings):
 
     @property
     def frontends(self) -> list[str]:
-        return self.daemon.frontend or [f"ipc://{self.runtime_dir}/frontend.sock"]
+        return self.daemon.frontend or default_frontends(self.runtime_dir)
 
     @property
     def control_endpoint(self) -> str:

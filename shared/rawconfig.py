@@ -24,6 +24,8 @@ ENV_CLIENT_KEY = "MODELWARDEN_CLIENT_KEY"
 _NOT_OVERRIDES = {ENV_CONFIG, ENV_ENDPOINT, ENV_SERVER_KEY, ENV_CLIENT_KEY}
 SYSTEM_RUNTIME_DIR = Path("/run/modelwarden")  # the system daemon's (root's default)
 PID_FILE = "modelwarden.pid"  # supervisor/runtime.py: the daemon's lock
+FRONTEND_SOCKET = "frontend.sock"  # the default ZeroMQ frontend (ipc://)
+LOCAL_SOCKET = "local.sock"  # the default local frontend (unix://, supervisor/routing/localfront.py)
 
 
 class ConfigError(Exception):
@@ -121,6 +123,25 @@ def client_runtime_dir() -> Path:
     return chosen
 
 
+def default_frontends(runtime: Path) -> list[str]:
+    """A daemon's frontends when ``[daemon] frontend`` is not set: ZeroMQ over ``ipc://`` (what
+    ``modelwarden.connect``, the gateway and clients in other languages speak) and the local
+    frontend over ``unix://`` (what a client on this host picks: no libzmq thread on either
+    side of it)."""
+    return [f"ipc://{runtime}/{FRONTEND_SOCKET}", f"unix://{runtime}/{LOCAL_SOCKET}"]
+
+
+def discovered_frontend(runtime: Path) -> str:
+    """The frontend a client with no configuration uses in a directory found by
+    ``client_runtime_dir``: the local one where the daemon made it, else the ipc one. Either
+    passes ``check_socket_in`` first."""
+    local = runtime / LOCAL_SOCKET
+    if os.path.lexists(local):
+        check_socket_in(runtime, local)
+        return f"unix://{local}"
+    return discovered_socket(runtime, FRONTEND_SOCKET)
+
+
 def discovered_socket(runtime: Path, name: str) -> str:
     """``ipc://RUNTIME/NAME`` for a directory found by ``client_runtime_dir``, once the socket
     (and ``private/`` for the admin socket) pass the same check."""
@@ -151,7 +172,7 @@ def frontend_endpoints(path: str | Path | None = None) -> list[str]:
     """The frontends a client may use, read as ``command_endpoint`` reads its socket: without
     validating the whole file (that is the daemon's business, ``shared/config.py``), so a client
     loads the standard library only. ``[daemon] frontend``, else the runtime directory's default
-    ipc frontend; [] when the file or its ``[daemon]`` table cannot be used."""
+    frontends (``default_frontends``); [] when the file or its ``[daemon]`` table cannot be used."""
     resolved = config_path(path)
     try:
         daemon = raw_settings(resolved).get("daemon", {})
@@ -167,7 +188,7 @@ def frontend_endpoints(path: str | Path | None = None) -> list[str]:
     if configured is not None and not isinstance(configured, str):
         return []
     runtime = runtime_dir(configured, resolved.parent if resolved else Path.cwd())
-    return [f"ipc://{runtime}/frontend.sock"]
+    return default_frontends(runtime)
 
 
 def control_endpoint(runtime: Path, configured: str | None) -> str:

@@ -62,7 +62,8 @@ from modelwarden.supervisor.routing.intake import Intake
 from modelwarden.supervisor.routing.router import Router
 from modelwarden.supervisor.fleet.standby import placement_for
 from modelwarden.shared.process import DaemonError, check_socket_path, restrict_socket
-from modelwarden.supervisor.runtime import check_private_endpoint, claim_private_dir, claim_runtime_dir
+from modelwarden.supervisor.runtime import (check_private_endpoint, claim_private_dir,
+                                            claim_runtime_dir, sweep_unserved_local)
 from modelwarden.supervisor.systemd import Notifier, ServiceReporter, stop_resource_tracker
 from modelwarden.supervisor.timers import Timers
 from modelwarden.supervisor.eventloop import EventLoop
@@ -158,6 +159,7 @@ class Arbiter:
         self.connections = ConnectionGuard(raise_fd_limit(), self.settings.daemon.max_connections,
                                            quotas=self.quotas)
         self._lock = claim_runtime_dir(self.settings.runtime_dir, self.settings.daemon.shm_group)
+        sweep_unserved_local(self.settings.runtime_dir, self.settings.frontends)
         claim_private_dir(self.settings.private_dir)
         check_private_endpoint(Path(self.settings.admin_endpoint[len("ipc://"):]))
         self._bind()

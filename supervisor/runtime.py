@@ -3,7 +3,9 @@
 Layout (docs/ARCHITECTURE.md, "Trust boundary"):
 
     RUNTIME/               0700, or 0750 group-owned by ``shm_group``: clients may enter
-      frontend.sock        0600, or 0660 group-owned: requests
+      frontend.sock        0600, or 0660 group-owned: requests over ZeroMQ (the default ipc://)
+      local.sock           0600, or 0660 group-owned: requests over the local frontend (the
+                           default unix://; a client with no configuration tries it first)
       control.sock         0600, or 0660 group-owned: read-only commands (status)
       modelwarden.pid      0600, the lock: only the daemon's user can open it, so only it can lock it
       private/             0700 always: only the daemon's user (and root) may enter
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from modelwarden.shared.process import DaemonError, group_id
+from modelwarden.shared.rawconfig import LOCAL_SOCKET
 
 PRIVATE_MODE = 0o700
 SHARED_MODE = 0o750  # group may enter (and list); only we may create or remove entries
@@ -82,6 +85,22 @@ def _open_pid_file(path: Path) -> IO:
         os.close(fd)
         raise DaemonError(f"pid file {path}: {problem}; refusing to use it")
     return os.fdopen(fd, "r+")
+
+
+def sweep_unserved_local(runtime: Path, frontends: list[str]) -> None:
+    """Remove ``RUNTIME/local.sock`` when this daemon serves no frontend there: a daemon that
+    died left it (a clean stop removes its own), and a client with no configuration tries it
+    before ``frontend.sock`` and would find nobody. Called under the runtime lock, so no live
+    daemon owns it; only a socket is removed, never another kind of file."""
+    path = runtime / LOCAL_SOCKET
+    if f"unix://{path}" in frontends:
+        return
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISSOCK(info.st_mode):
+        path.unlink(missing_ok=True)
 
 
 def claim_private_dir(path: Path) -> None:

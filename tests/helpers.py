@@ -91,7 +91,7 @@ class Daemon(LocalDaemon):
 
     def __init__(self, models: list[dict], daemon: dict | None = None, env: dict | None = None,
                  extra_frontends: list[str] = (), nofile: int | None = None,
-                 local: bool = False) -> None:
+                 local: bool = False, default_frontends: bool = False) -> None:
         # Short paths: a unix socket path is limited to 107 bytes.
         directory = Path(tempfile.mkdtemp(prefix="mw-", dir="/tmp"))
         settings = {"runtime_dir": str(directory / "run"), "allow_oversubscription": True,
@@ -104,6 +104,10 @@ class Daemon(LocalDaemon):
             extra_frontends = [*extra_frontends, self.local]
         if extra_frontends:
             settings["frontend"] = [f"ipc://{directory}/run/frontend.sock", *extra_frontends]
+        elif not default_frontends:
+            # The tests' daemons serve ZeroMQ alone unless a test asks for more (``local``) or
+            # for the daemon's own default, which adds the local frontend (default_frontends).
+            settings.setdefault("frontend", [f"ipc://{directory}/run/frontend.sock"])
         self.nofile = nofile  # RLIMIT_NOFILE (soft = hard) for the daemon, if given
         super().__init__({"daemon": settings, "models": models}, env=env, cwd=ROOT,
                          directory=directory, preexec_fn=self._limit_fds if nofile else None)

@@ -144,8 +144,9 @@ def victim(site_packages: str) -> None:
     print(json.dumps(found))
 
 
-IMPOSTOR_SOCKETS = {"frontend.sock": socket.SOCK_STREAM, "control.sock": socket.SOCK_STREAM,
-                    "buffers.sock": socket.SOCK_SEQPACKET}  # what ZeroMQ ipc and fdchannel use
+# What ZeroMQ ipc, the local frontend and fdchannel use.
+IMPOSTOR_SOCKETS = {"frontend.sock": socket.SOCK_STREAM, "local.sock": socket.SOCK_STREAM,
+                    "control.sock": socket.SOCK_STREAM, "buffers.sock": socket.SOCK_SEQPACKET}
 
 
 def impostor(runtime: Path, ready: Path) -> None:

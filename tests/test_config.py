@@ -115,7 +115,8 @@ def test_environment_names_the_config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("MODELWARDEN_CONFIG", str(path))
     settings = load_settings()
     assert settings.config_path == path.resolve()
-    assert settings.frontends == [f"ipc://{tmp_path / 'run'}/frontend.sock"]
+    assert settings.frontends == [f"ipc://{tmp_path / 'run'}/frontend.sock",
+                                  f"unix://{tmp_path / 'run'}/local.sock"]
 
 
 def test_the_client_reads_the_frontends_the_daemon_validates_without_pydantic(tmp_path, monkeypatch):

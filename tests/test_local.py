@@ -9,6 +9,7 @@ import asyncio
 import os
 import select
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -340,3 +341,32 @@ def test_a_local_endpoint_is_one_daemons_and_an_absolute_path(tmp_path):
     assert check_endpoint("unix:///run/modelwarden/local.sock")
     with pytest.raises(ValueError, match="unix:///ABSOLUTE/PATH"):
         check_endpoint("unix://relative.sock")
+
+
+def test_with_no_frontend_configured_the_daemon_serves_both_and_a_client_of_its_config_goes_local(
+        monkeypatch):
+    """No ``[daemon] frontend``: ZeroMQ at RUNTIME/frontend.sock and the local frontend at
+    RUNTIME/local.sock, and a client given only MODELWARDEN_CONFIG takes the local one, with
+    the ipc client's answer. The local socket a killed daemon leaves is removed by the next
+    daemon on that directory when it serves none there (a client would try it first)."""
+    x = torch.randn(3, 64)
+    with Daemon([mlp_model("mlp", workers=1)], default_frontends=True) as daemon:
+        daemon.wait_ready()
+        run = daemon.dir / "run"
+        ipc, unix = f"ipc://{run}/frontend.sock", f"unix://{run}/local.sock"
+        assert daemon.status()["daemon"]["endpoints"]["frontend"] == [ipc, unix]
+        assert stat.S_IMODE(os.lstat(run / "local.sock").st_mode) == 0o600
+        monkeypatch.setenv("MODELWARDEN_CONFIG", str(daemon.config_path))
+        monkeypatch.delenv("MODELWARDEN_ENDPOINT", raising=False)
+        with Client(timeout=30) as local, Client(ipc, timeout=30) as zeromq:
+            assert local.endpoint == unix
+            torch.testing.assert_close(local.infer("mlp", x), zeromq.infer("mlp", x))
+        monkeypatch.delenv("MODELWARDEN_CONFIG")
+        daemon.process.kill()
+        daemon.process.wait(30)
+        assert stat.S_ISSOCK(os.lstat(run / "local.sock").st_mode)  # left behind
+        with Daemon([mlp_model("mlp", workers=1)], daemon={"runtime_dir": str(run)}) as again:
+            again.wait_ready()
+            frontends = again.status()["daemon"]["endpoints"]["frontend"]
+            assert [endpoint[:6] for endpoint in frontends] == ["ipc://"]
+            assert not os.path.lexists(run / "local.sock")

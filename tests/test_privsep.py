@@ -407,7 +407,8 @@ def test_a_squatted_fallback_dir_is_refused_by_every_client_and_never_reached(ou
         assert done["code"] == 3 and done["stdout"] == "", done
         assert done["stderr"].startswith(f"modelwarden: {says}") and done["stderr"].count("\n") == 1, done
     connections = json.loads(seen)["connections"]
-    assert connections == {"frontend.sock": 0, "control.sock": 0, "buffers.sock": 0}, impostor_err
+    assert connections == {"frontend.sock": 0, "local.sock": 0, "control.sock": 0,
+                           "buffers.sock": 0}, impostor_err
 
 
 def _listening_socket(path: Path, mode: int) -> socket.socket:
@@ -444,6 +445,29 @@ def test_the_runtime_dir_checker_refuses_what_the_daemon_does_not_make(tmp_path,
         frontend.close()
     with pytest.raises(NoDaemon, match="does not exist"):
         trustdir.check_runtime_dir(tmp_path / "absent")
+
+
+def test_a_client_with_no_configuration_takes_the_local_socket_only_as_the_daemon_makes_it(
+        tmp_path, outsider):
+    """rawconfig.discovered_frontend: ``local.sock`` where the daemon made one, else
+    ``frontend.sock``; a local.sock someone else made is refused, never passed over."""
+    run = tmp_path / "run"
+    run.mkdir()
+    os.chmod(run, 0o700)
+    frontend = _listening_socket(run / "frontend.sock", 0o600)
+    try:
+        assert rawconfig.discovered_frontend(run) == f"ipc://{run}/frontend.sock"
+        local = _listening_socket(run / "local.sock", 0o600)
+        try:
+            assert rawconfig.discovered_frontend(run) == f"unix://{run}/local.sock"
+            os.chown(run / "local.sock", pwd.getpwnam(outsider[0]).pw_uid, -1)
+            with pytest.raises(trustdir.UntrustedRuntimeDir,
+                               match=f"local.sock: it is owned by {outsider[0]}"):
+                rawconfig.discovered_frontend(run)
+        finally:
+            local.close()
+    finally:
+        frontend.close()
 
 
 def test_a_foreign_dir_is_trusted_only_where_root_alone_could_make_it(tmp_path, outsider):

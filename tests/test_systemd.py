@@ -212,7 +212,10 @@ with Client("ipc:///run/modelwarden/frontend.sock", timeout=30) as client:
     y = client.infer("mlp", x)
     status = control_request("ipc:///run/modelwarden/control.sock", {"type": "status"})["status"]
     assert torch.allclose(y, make_mlp(hidden=256)(x), atol=1e-5), "not the shipped model's answer"
-    print(status["daemon"]["buffers"])
+with Client(timeout=30) as client:  # no endpoint: the system daemon's local frontend
+    assert client.endpoint == "unix:///run/modelwarden/local.sock", client.endpoint
+    assert torch.allclose(client.infer("mlp", x), y, atol=1e-5), "the local frontend's answer"
+print(status["daemon"]["buffers"])
 """
 
 
