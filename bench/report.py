@@ -738,7 +738,8 @@ def instructions_section(data: dict | None) -> list[str]:
         "then `python setup.py build_ext --inplace` there), built the same way and measured in "
         "the same run; \"uncompiled\" is this checkout without its compiled modules. The clients "
         "are on the daemon's `ipc://` frontend (ZeroMQ), except in the rows that say `unix://`: "
-        "this checkout's client on its local frontend, where neither process runs libzmq; the "
+        "this checkout's client on its local frontend (the default on the daemon's host), "
+        "where neither process runs libzmq; the "
         "worker's side is the same on both.", ""]
     out += provenance(data) + [""]
     rows = data["rows"]
@@ -813,8 +814,9 @@ def ceiling_section(data: dict | None) -> list[str]:
         + ". A round's ratio is to its own floor; the medians are stated. Requests/s is what one "
           "core routes at the median CPU (1e6 / µs). The clients are on the daemon's `ipc://` "
           "frontend (ZeroMQ), and, in the rows that say so, this checkout's on its `unix://` "
-          "frontend, which the supervisor's loop reads and writes itself (no libzmq I/O thread "
-          "on either side: docs/ARCHITECTURE.md, \"The local frontend\").", ""]
+          "frontend (the one a client on the daemon's host takes by default), which the "
+          "supervisor's loop reads and writes itself (no libzmq I/O thread on either side: "
+          "docs/ARCHITECTURE.md, \"The local frontend\").", ""]
     out += provenance(data) + [""]
     summary = data["summary"]
     rows = []
