@@ -29,7 +29,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("mosec", "litserve", "ray", "pytriton")
 PEER_NAMES = {"mosec": "mosec", "litserve": "LitServe", "ray": "Ray Serve", "pytriton": "PyTriton"}
-COLOURS = {"modelwarden": "tab:blue", "in-process": "tab:gray", "mosec": "tab:orange",
+LOCAL = "modelwarden-local"  # bench/serving.py's rows of modelwarden on its local frontend
+COLOURS = {"modelwarden": "tab:blue", LOCAL: "tab:cyan", "in-process": "tab:gray", "mosec": "tab:orange",
            "litserve": "tab:green", "ray": "tab:red", "pytriton": "tab:purple"}
 PNG = {"dpi": 110, "metadata": {"Software": None}}  # no version stamp: the same data, the same file
 
@@ -117,7 +118,7 @@ def series(data: dict, workload: str) -> list[tuple[str, str, list[dict]]]:
     for p in data["points"]:
         if p["workload"] == workload and p["system"] != "gateway" and p.get("rps"):
             found.setdefault((p["system"], p["config"]), []).append(p)
-    order = {name: n for n, name in enumerate(["modelwarden", "in-process", *PEERS])}
+    order = {name: n for n, name in enumerate(["modelwarden", LOCAL, "in-process", *PEERS])}
     return [(system, config, sorted(rows, key=lambda p: p["concurrency"]))
             for (system, config), rows in sorted(found.items(), key=lambda kv: (order.get(kv[0][0], 9), kv[0][1]))]
 
@@ -131,7 +132,8 @@ def line_style(system: str, config: str) -> str:
 
 
 def label(system: str, config: str) -> str:
-    return f"{PEER_NAMES.get(system, system)}, {config}"
+    name = "modelwarden, unix://" if system == LOCAL else PEER_NAMES.get(system, system)
+    return f"{name}, {config}"
 
 
 def serving_figure(data: dict, workload: str, out: Path) -> None:
@@ -194,6 +196,26 @@ def serving_table(data: dict) -> list[str]:
     return table(["load", "in flight", "modelwarden, batching off", "modelwarden, batching on (best)",
                   "best peer, batching off", "best peer, batching on", "one model + lock, in-process"],
                  rows)
+
+
+def local_table(data: dict) -> list[str]:
+    """modelwarden on its local frontend against ZeroMQ, point by point (the same daemon)."""
+    rows = []
+    for workload in data["workloads"]:
+        for concurrency in sorted({p["concurrency"] for p in points(data, LOCAL, workload)}):
+            cells = []
+            for batched in (False, True):
+                for system in ("modelwarden", LOCAL):
+                    cells.append(cell(best([p for p in points(data, system, workload)
+                                            if p["concurrency"] == concurrency
+                                            and "1 worker" not in p["config"]
+                                            and p["config"].startswith("batch ") == batched])))
+            rows.append([workload, str(concurrency), *cells])
+    if not rows:
+        return []
+    return table(["load", "in flight", "ZeroMQ (ipc://), batching off",
+                  "local frontend (unix://), batching off", "ZeroMQ, batching on (best)",
+                  "local frontend, batching on (best)"], rows)
 
 
 def point_errors(data: dict, systems: tuple) -> list[str]:
@@ -307,7 +329,8 @@ def serving_section(data: dict | None, img: Path) -> list[str]:
         out.append(f"* **{name}** {w['title']}{extra}: one in-process forward on one thread "
                    f"{ms(w['forward_p50_ms'])}{batch}.")
     out += ["",
-            "modelwarden runs over `ipc://` with 2 workers x 1 thread, batching off and with "
+            "modelwarden runs over `ipc://` (and, in its own table below, over its local "
+            "frontend) with 2 workers x 1 thread, batching off and with "
             "`max_size = 16` (`max_delay_us` 0 and 1000), plus one worker on W2. The peers serve "
             "the same weights with 2 workers (or replicas) x 1 thread over HTTP/1.1 keep-alive, "
             "batching off and on (16, 1 ms), each installed by the benchmark into its own "
@@ -332,7 +355,15 @@ def serving_section(data: dict | None, img: Path) -> list[str]:
             "batching configurations at that point; \"best peer\" the peer with the most "
             "requests/s there.", ""]
     out += serving_table(data) + [""]
-    out += point_errors(data, ("modelwarden", "in-process", *PEERS))
+    local = local_table(data)
+    if local:
+        out += ["### The local frontend against ZeroMQ", "",
+                "Each 2-worker point of modelwarden measured again, on the same daemon, with the "
+                "clients on its local frontend (`unix://`: the one a client on the daemon's host "
+                "takes by default; neither the client nor the supervisor runs a libzmq I/O "
+                "thread). Requests/s, then (p50 / p99).", ""]
+        out += local + [""]
+    out += point_errors(data, ("modelwarden", LOCAL, "in-process", *PEERS))
     out += ["", "### Targets, as ratios within this run", "",
             "The benchmark prints these itself (PASS/MISS); ratios within one run hold better "
             "on a shared machine than any absolute number.", ""]

@@ -16,6 +16,9 @@ Systems (--only takes these names, comma-separated):
                max_size 16 and max_delay_us 0 and 1000 (skipped, saying why, when the installed
                modelwarden has no [models.batching]); plus one worker, batching off, on W2.
                Client: modelwarden.Client at 1 in flight, AsyncClient with N tasks above.
+               Each 2-worker point is measured again on the same daemon's local frontend
+               (unix://, what a client on the daemon's host takes by default): the rows of
+               "modelwarden-local".
   gateway      the daemon's KServe v2 gateway ([gateway], issue 11), same 2 workers x 1 thread,
                batching off and on (max 16, delay 1000us), on W1 and W3: REST JSON (W1 only: a
                4 MiB tensor as JSON numbers is not a use), REST binary (the binary tensor data
@@ -92,6 +95,7 @@ BATCH_MAX = 16
 PEER_WAIT_MS = 1
 SAMPLE_INPUTS = 8
 SYSTEMS = ("modelwarden", "gateway", "inprocess", "mosec", "litserve", "ray", "pytriton")
+LOCAL_SYSTEM = "modelwarden-local"  # the rows of modelwarden's points on its local frontend
 
 
 # -- workloads --------------------------------------------------------------------------------
@@ -360,8 +364,9 @@ def bench_modelwarden(workdir: Path, workloads: dict[str, Workload], levels: lis
         models = {workload.name.lower(): workload for workload in workloads.values()}
         if batching is None and "W2" in workloads:
             models["w2_one"] = workloads["W2"]
-        daemon, endpoint = start_daemon(workdir, label, mw_config_text(workdir / "run", workloads,
-                                                                       batching), models)
+        text, local = with_local_frontend(mw_config_text(workdir / "run", workloads, batching),
+                                          workdir / "run")
+        daemon, endpoint = start_daemon(workdir, label, text, models)
         try:
             for name, workload in models.items():
                 one = name == "w2_one"
@@ -370,6 +375,10 @@ def bench_modelwarden(workdir: Path, workloads: dict[str, Workload], levels: lis
                     rows.append(point("modelwarden", "ZeroMQ ipc", label + (", 1 worker" if one else ""),
                                       workload, concurrency, result, workers=1 if one else 2,
                                       batching=batching))
+                    if not one:
+                        result = mw_point(local, name, workload, concurrency, timing, daemon.pid)
+                        rows.append(point(LOCAL_SYSTEM, "unix (local frontend)", label, workload,
+                                          concurrency, result, workers=2, batching=batching))
         finally:
             stop_process(daemon)
     return rows
@@ -964,13 +973,14 @@ def peer_rows(rows, workload, concurrency, batching: bool | None = None) -> list
     return found
 
 
-def mw(rows, workload, concurrency, config: str) -> dict | None:
-    """modelwarden's row: config "off", "one" (1 worker) or "on" (the better batching config)."""
+def mw(rows, workload, concurrency, config: str, system: str = "modelwarden") -> dict | None:
+    """modelwarden's row: config "off", "one" (1 worker) or "on" (the better batching config);
+    over ZeroMQ, or on the local frontend (``system`` LOCAL_SYSTEM)."""
     if config == "on":
-        return best(find(rows, "modelwarden", workload, concurrency,
+        return best(find(rows, system, workload, concurrency,
                          lambda c: c.startswith("batch ") and "1 worker" not in c))
     label = "batching off, 1 worker" if config == "one" else "batching off"
-    return best(find(rows, "modelwarden", workload, concurrency, lambda c: c == label))
+    return best(find(rows, system, workload, concurrency, lambda c: c == label))
 
 
 def gw(rows, workload, concurrency, transport: str, batched: bool) -> dict | None:
@@ -1042,6 +1052,17 @@ def targets(rows: list[dict], workloads: dict[str, Workload], floor: dict | None
         for row in find(rows, "modelwarden", "W1", 64, lambda c: "1 worker" not in c):
             report.append(check(f"W1@64 supervisor CPU us/request ({row['config']})",
                                 row.get("supervisor_cpu_us"), "<=", 60.0, "utime+stime / requests"))
+        # The local frontend's claim (docs/OPERATIONS.md): the same requests for less.
+        local1, local64 = mw(rows, "W1", 1, "off", LOCAL_SYSTEM), mw(rows, "W1", 64, "off", LOCAL_SYSTEM)
+        if local1 is not None:
+            report.append(check("W1@1 p50, local frontend / ZeroMQ", ratio(local1, ours, "p50_ms"),
+                                "<=", 1.0, f"batching off; unix:// p50 {p50(local1)} vs ipc:// "
+                                f"p50 {p50(ours)}"))
+        if local64 is not None:
+            report.append(check("W1@64 supervisor CPU per request, local frontend / ZeroMQ",
+                                ratio(local64, mw(rows, "W1", 64, "off"), "supervisor_cpu_us"),
+                                "<=", 1.0, f"batching off; {local64.get('supervisor_cpu_us')} us vs "
+                                f"{(mw(rows, 'W1', 64, 'off') or {}).get('supervisor_cpu_us')} us"))
         if floor is not None:  # issue 24: the supervisor's CPU against a C broker's, one run
             proxy_us = floor["8"]["proxy_cpu_us"]
             for config, bound in (("off", 2.5), ("on", 1.5)):
@@ -1100,15 +1121,16 @@ def print_table(rows: list[dict], workloads: dict[str, Workload]) -> None:
         if workload.batch_p50_ms:
             line += f", batch of {BATCH_MAX} {workload.batch_p50_ms} ms"
         print(line)
-    header = (f"{'wl':3s} {'infl':>4s} {'system':12s} {'transport':18s} {'config':30s} "
+    header = (f"{'wl':3s} {'infl':>4s} {'system':17s} {'transport':21s} {'config':30s} "
               f"{'req/s':>9s} {'p50 ms':>8s} {'p99 ms':>8s} {'err':>4s} {'sup us/req':>10s} "
               f"{'of it sys':>8s}")
     print("\n" + header + "\n" + "-" * len(header))
-    order = {name: n for n, name in enumerate(["modelwarden", "gateway", "in-process", *PEERS])}
+    order = {name: n for n, name in enumerate(["modelwarden", LOCAL_SYSTEM, "gateway", "in-process",
+                                                 *PEERS])}
     for row in sorted(rows, key=lambda r: (r["workload"], r["concurrency"], order.get(r["system"], 99))):
         cpu = row.get("supervisor_cpu_us")
-        print(f"{row['workload']:3s} {row['concurrency']:>4d} {row['system']:12s} "
-              f"{row['transport']:18s} {row['config']:30s} {row.get('rps') or 0:>9.1f} "
+        print(f"{row['workload']:3s} {row['concurrency']:>4d} {row['system']:17s} "
+              f"{row['transport']:21s} {row['config']:30s} {row.get('rps') or 0:>9.1f} "
               f"{cell(row.get('p50_ms'))} {cell(row.get('p99_ms'))} "
               f"{row.get('errors') if row.get('errors') is not None else '-':>4} "
               f"{cpu if cpu is not None else '':>10} {row.get('supervisor_sys_us') or '':>8}")

@@ -27,7 +27,8 @@ def test_quick_serving_bench_measures_every_point(tmp_path):
                                                              else ()): p for p in result["points"]}
     batching = not any("batching on: skipped" in note for note in result["notes"])
     configs = ["batching off"] + (["batch 16, delay 0us", "batch 16, delay 1000us"] if batching else [])
-    expected = [("modelwarden", config, 8) for config in configs]
+    expected = [(system, config, 8) for config in configs
+                for system in ("modelwarden", "modelwarden-local")]  # ZeroMQ; the local frontend
     expected += [("in-process", f"{scheme}, {os.cpu_count()} threads", 8)
                  for scheme in ("lock", "queue, 1 worker")]
     if not any(note.startswith("gateway: skipped") for note in result["notes"]):
@@ -46,9 +47,11 @@ def test_quick_serving_bench_measures_every_point(tmp_path):
         if key[-1] not in ("gRPC perf_analyzer", "gRPC C++ empty server"):  # perf_analyzer checks
             # nothing; a failure fails it
             assert row["checked"] > 0, (key, row)  # answers were compared with the in-process model
-    row = points[("modelwarden", "batching off", 8)]
-    assert row["supervisor_cpu_us"] > 0
-    assert 0 <= row["supervisor_sys_us"] <= row["supervisor_cpu_us"]  # the kernel's share of it
+    for system, transport in (("modelwarden", "ZeroMQ ipc"), ("modelwarden-local", "unix (local frontend)")):
+        row = points[(system, "batching off", 8)]
+        assert row["transport"] == transport
+        assert row["supervisor_cpu_us"] > 0
+        assert 0 <= row["supervisor_sys_us"] <= row["supervisor_cpu_us"]  # the kernel's share of it
     assert "W1@64 batching on / batching off" in [t["target"] for t in result["targets"]]
 
 
