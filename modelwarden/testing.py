@@ -42,7 +42,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
-from modelwarden.shared.rawconfig import admin_endpoint, control_endpoint, runtime_dir
+from modelwarden.shared.rawconfig import (admin_endpoint, control_endpoint, default_frontends,
+                                          runtime_dir)
 
 ENV_RUNTIME_DIR = "MODELWARDEN_DAEMON__RUNTIME_DIR"  # rawconfig's override of [daemon] runtime_dir
 
@@ -165,7 +166,8 @@ class LocalDaemon:
         self.env = _environment(env)
         daemon = self._write_or_take(config)
         self.runtime_dir = runtime_dir(daemon["runtime_dir"], self.config_path.parent)
-        self.endpoint = (daemon.get("frontend") or [f"ipc://{self.runtime_dir}/frontend.sock"])[0]
+        # The first frontend: ZeroMQ's, by default (the daemon also serves a local one then).
+        self.endpoint = (daemon.get("frontend") or default_frontends(self.runtime_dir))[0]
         self.control = control_endpoint(self.runtime_dir, daemon.get("control"))
         self.admin = admin_endpoint(self.runtime_dir, daemon.get("admin"))
         self.cwd = Path(cwd) if cwd is not None else self.dir
