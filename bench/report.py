@@ -170,8 +170,10 @@ def peer_best(data: dict, workload: str, concurrency: int, batched: bool) -> dic
                  if p["concurrency"] == concurrency and p["config"].startswith("batch ") == batched])
 
 
-def mw_best(data: dict, workload: str, concurrency: int, batched: bool) -> dict | None:
-    return best([p for p in points(data, "modelwarden", workload) if p["concurrency"] == concurrency
+def mw_best(data: dict, workload: str, concurrency: int, batched: bool,
+            system: str = "modelwarden") -> dict | None:
+    """modelwarden's best 2-worker point there, over ZeroMQ or (``system`` LOCAL) not."""
+    return best([p for p in points(data, system, workload) if p["concurrency"] == concurrency
                  and "1 worker" not in p["config"] and p["config"].startswith("batch ") == batched])
 
 
@@ -203,13 +205,8 @@ def local_table(data: dict) -> list[str]:
     rows = []
     for workload in data["workloads"]:
         for concurrency in sorted({p["concurrency"] for p in points(data, LOCAL, workload)}):
-            cells = []
-            for batched in (False, True):
-                for system in ("modelwarden", LOCAL):
-                    cells.append(cell(best([p for p in points(data, system, workload)
-                                            if p["concurrency"] == concurrency
-                                            and "1 worker" not in p["config"]
-                                            and p["config"].startswith("batch ") == batched])))
+            cells = [cell(mw_best(data, workload, concurrency, batched, system))
+                     for batched in (False, True) for system in ("modelwarden", LOCAL)]
             rows.append([workload, str(concurrency), *cells])
     if not rows:
         return []
@@ -310,8 +307,7 @@ def serving_missed(data: dict) -> list[str]:
     t = find_target(report, "W1@1 p50 / best peer")
     if t and t["met"] is False:
         ours = mw_best(data, "W1", 1, False)
-        local = best([p for p in points(data, LOCAL, "W1") if p["concurrency"] == 1
-                      and not p["config"].startswith("batch ")])
+        local = mw_best(data, "W1", 1, False, LOCAL)
         there = (f"; on the local frontend, where neither end runs a libzmq I/O thread, it took "
                  f"{ms(local['p50_ms'])}" if local and local.get("p50_ms") else "")
         notes.append(

@@ -1059,10 +1059,11 @@ def targets(rows: list[dict], workloads: dict[str, Workload], floor: dict | None
                                 "<=", 1.0, f"batching off; unix:// p50 {p50(local1)} vs ipc:// "
                                 f"p50 {p50(ours)}"))
         if local64 is not None:
+            zeromq64 = mw(rows, "W1", 64, "off") or {}
             report.append(check("W1@64 supervisor CPU per request, local frontend / ZeroMQ",
-                                ratio(local64, mw(rows, "W1", 64, "off"), "supervisor_cpu_us"),
+                                ratio(local64, zeromq64, "supervisor_cpu_us"),
                                 "<=", 1.0, f"batching off; {local64.get('supervisor_cpu_us')} us vs "
-                                f"{(mw(rows, 'W1', 64, 'off') or {}).get('supervisor_cpu_us')} us"))
+                                f"{zeromq64.get('supervisor_cpu_us')} us"))
         if floor is not None:  # issue 24: the supervisor's CPU against a C broker's, one run
             proxy_us = floor["8"]["proxy_cpu_us"]
             for config, bound in (("off", 2.5), ("on", 1.5)):
