@@ -15,6 +15,7 @@ COMPILED: dict[str, str] = {
     "modelwarden.shared.descriptors": "shared/descriptors.py",
     "modelwarden.shared.sockets": "shared/sockets.py",
     "modelwarden.shared.link": "shared/link.py",
+    "modelwarden.shared.zmtp": "shared/zmtp.py",
     # the supervisor's per-request work
     "modelwarden.supervisor.routing.router": "supervisor/routing/router.py",
     "modelwarden.supervisor.routing.service": "supervisor/routing/service.py",

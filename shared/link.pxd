@@ -42,6 +42,8 @@ cdef class Link:
     cdef public Py_ssize_t start, end, read_per_call, taken, max_parts
 
     cpdef bint send(self, list parts, bint blocking=*) except -1
+    cdef list _framed(self, list parts)
+    cdef Py_ssize_t _sendmsg_fast(self, list parts) except? -2
     @cython.locals(written=Py_ssize_t)
     cdef _send_fast(self, list parts)
     cpdef bint flush(self) except -1

@@ -154,30 +154,38 @@ class Link:
         if self.broken:
             return True
         if self.out:  # behind what waits already: a message is never interleaved with another
-            self.out.append(_bytes_view(frame_prefix(parts)))
-            for part in parts:
-                self.out.append(_bytes_view(part))
+            for chunk in self._framed(parts):
+                self.out.append(_bytes_view(chunk))
         elif COMPILED and len(parts) < _FAST_PARTS:
             self._send_fast(parts)
         else:
-            self._write([frame_prefix(parts), *parts], False)
+            self._write(self._framed(parts), False)
         while blocking and self.out and not self.broken:
             _wait_writable(self.fd)
             self.flush()
         return not self.out
 
+    def _framed(self, parts: list) -> list:
+        """The chunks that carry ``parts`` on the stream, in order: the frame prefix, then the
+        parts (shared/zmtp.py frames them its own way)."""
+        return [frame_prefix(parts), *parts]
+
+    def _sendmsg_fast(self, parts: list):
+        """Compiled: one sendmsg of ``parts`` framed (``_sendmsg_c``'s answer)."""
+        return _sendmsg_c(self.fd, parts)
+
     def _send_fast(self, parts: list) -> None:
         """Compiled: the whole message in one sendmsg from the parts' own buffers; what the
         socket did not take is queued as ``_write`` queues it."""
         try:
-            written = _sendmsg_c(self.fd, parts)
+            written = self._sendmsg_fast(parts)
         except OSError as exc:
             if exc.errno in _GONE:
                 self._gone()
                 return
             raise
         if written >= 0:  # the socket is full
-            self._queue_rest([frame_prefix(parts), *parts], 0, written, False)
+            self._queue_rest(self._framed(parts), 0, written, False)
 
     def flush(self) -> bool:
         """Write what waits in the queue; True once it is empty."""

@@ -55,7 +55,7 @@ from modelwarden.supervisor.fleet.placement import SlotPlacement, available_core
 from modelwarden.supervisor.fleet.pool import ModelPool
 from modelwarden.supervisor.fleet import probes
 from modelwarden.supervisor.fleet.fleet import Fleet
-from modelwarden.supervisor.routing import identity, localfront
+from modelwarden.supervisor.routing import identity, localfront, zmtpfront
 from modelwarden.supervisor.routing.quotas import Quotas, max_buffer_bytes, shares_from
 from modelwarden.supervisor.fleet import reload
 from modelwarden.supervisor.routing.intake import Intake
@@ -239,7 +239,12 @@ class Arbiter:
                 self.frontend_transports.append(
                     identity.transport_of(endpoint, self.server_keys is not None))
                 if localfront.is_local(endpoint):
-                    self.frontends.append(self._local_frontend(index, endpoint))
+                    self.frontends.append(self._local_frontend(index, endpoint,
+                                                               localfront.LocalFrontend))
+                    continue
+                if zmtpfront.is_zmtp(endpoint):
+                    self.frontends.append(self._local_frontend(index, endpoint,
+                                                               zmtpfront.ZmtpFrontend))
                     continue
                 sock = self._router_socket(endpoint, client_facing=True)
                 self.frontends.append(sock)
@@ -252,10 +257,11 @@ class Arbiter:
             os.umask(old_umask)
         self._bind_private()
 
-    def _local_frontend(self, index: int, endpoint: str) -> localfront.LocalFrontend:
-        """A ``unix://`` frontend: its listener and connections are the loop's own."""
+    def _local_frontend(self, index: int, endpoint: str, kind: type) -> localfront.LocalFrontend:
+        """A ``unix://`` frontend, or an ``ipc://`` one (``kind`` ZmtpFrontend): its listener
+        and connections are the loop's own."""
         poller = self.loop.poller
-        front = localfront.LocalFrontend(
+        front = kind(
             index, endpoint, self.settings.daemon.shm_group, self.settings.daemon.max_message_bytes,
             self.connections, self.intake.client_message, watch=self._on, unwatch=self._off,
             want_write=poller.want_write, want_read=poller.want_read,

@@ -25,7 +25,7 @@ UNIT_TESTS = ["tests/test_unit_mpack.py", "tests/test_unit_deadlines.py", "tests
               "tests/test_unit_router.py", "tests/test_unit_batching.py", "tests/test_unit_requests.py",
               "tests/test_unit_limits.py", "tests/test_unit_quotas.py", "tests/test_unit_session.py",
               "tests/test_wire_text.py", "tests/test_unit_timers.py", "tests/test_unit_eventloop.py",
-              "tests/test_unit_link.py", "tests/test_unit_worker_deadlines.py"]
+              "tests/test_unit_link.py", "tests/test_unit_zmtp.py", "tests/test_unit_worker_deadlines.py"]
 
 
 def run_in(tree: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

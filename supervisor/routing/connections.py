@@ -7,9 +7,10 @@ thread, not by our loop. What libzmq 4.3.5 does when ``accept()`` fails depends 
   connection, which stays in the kernel's queue; the level-triggered poller retries at once);
 * ``src/ipc_listener.cpp`` line 297 tolerates only ``EAGAIN EWOULDBLOCK EINTR ECONNABORTED EPROTO
   ENFILE``: at ``EMFILE`` its ``errno_assert`` aborts the whole supervisor, and the workers with
-  it (``Too many open files (src/ipc_listener.cpp:297)``). The frontends, the control socket and
-  the admin socket are all ipc listeners; libzmq also asserts when it cannot make the eventfd of
-  a new socket.
+  it (``Too many open files (src/ipc_listener.cpp:297)``). The control socket and the admin
+  socket are libzmq ipc listeners (the ``ipc://`` frontends are the loop's own:
+  supervisor/routing/zmtpfront.py); libzmq also asserts when it cannot make the eventfd of a new
+  socket.
 
 So the descriptor table must never fill. The contract:
 
@@ -20,8 +21,9 @@ So the descriptor table must never fill. The contract:
    after ``ZMQ_HANDSHAKE_IVL``, 30 s, and counted down then). The monitors sit in the loop's one
    poller.
 3. One account for every descriptor an outsider can make the supervisor hold: connections on
-   every listener (the frontends and ``control.sock``, counted by their monitors; ``buffers.sock``
-   and the metrics port, which the loop accepts on itself and ``charge``s), the descriptors
+   every listener (``tcp://`` frontends and ``control.sock``, counted by their monitors; the
+   ``ipc://`` and ``unix://`` frontends, ``buffers.sock`` and the metrics port, which the loop
+   accepts on itself and ``charge``s), the descriptors
    received over ``buffers.sock`` (charged the moment ``recvmsg`` installed them, refunded when
    they are closed or revoked) and nothing else: the supervisor never maps a buffer. The count
    of open descriptors is measured at ticks (each tick while few are open or the account is near
@@ -43,7 +45,7 @@ Pausing is not ``zmq_unbind``: unbinding terminates the listener together with e
 accepted (they are its children in libzmq's object tree), which would drop the clients already
 being served. Instead:
 
-* an ``ipc://`` listener's socket file is renamed aside (``.NAME.paused`` in the same directory):
+* a libzmq ``ipc://`` listener's (``control.sock``'s) socket file is renamed aside (``.NAME.paused`` in the same directory):
   new clients get ENOENT; the listening socket, its permissions and its accepted connections stay
   as they are; resuming renames it back;
 * a ``tcp://`` listener gets a classic BPF filter that drops every packet (``SO_ATTACH_FILTER``):

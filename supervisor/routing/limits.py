@@ -52,14 +52,22 @@ FORGET_AFTER_SWEEPS = 100  # ticks (10 s) without a reply before untracked bytes
 def check_message(frames: list, max_bytes: int) -> None:
     """Frames and total bytes of one received message; raises BAD_REQUEST."""
     if len(frames) > MAX_FRAMES:
-        raise ProtocolError(BAD_REQUEST, f"message of {len(frames)} frames exceeds {MAX_FRAMES} "
-                            f"(MAX_TENSORS + {ENVELOPE_FRAMES})")
+        raise oversized(len(frames), 0, max_bytes)
     total = 0
     for frame in frames:
         total += len(frame)
     if total > max_bytes:
-        raise ProtocolError(BAD_REQUEST, f"message of {total} bytes exceeds max_message_bytes "
-                            f"({max_bytes})")
+        raise oversized(len(frames), total, max_bytes)
+
+
+def oversized(count: int, total: int, max_bytes: int) -> ProtocolError:
+    """The BAD_REQUEST of a message of ``count`` frames and ``total`` bytes past the bounds
+    (also of one a ZMTP frontend read past without holding it: supervisor/routing/zmtpfront.py)."""
+    if count > MAX_FRAMES:
+        return ProtocolError(BAD_REQUEST, f"message of {count} frames exceeds {MAX_FRAMES} "
+                             f"(MAX_TENSORS + {ENVELOPE_FRAMES})")
+    return ProtocolError(BAD_REQUEST, f"message of {total} bytes exceeds max_message_bytes "
+                         f"({max_bytes})")
 
 
 class RequestBytes:

@@ -67,7 +67,8 @@ def is_local(endpoint: str) -> bool:
 
 
 def path_of(endpoint: str) -> Path:
-    return Path(endpoint[len(SCHEME):])
+    """The socket's path in ``unix://PATH`` or ``ipc://PATH`` (supervisor/routing/zmtpfront.py)."""
+    return Path(endpoint.partition("://")[2])
 
 
 class _Connection:
@@ -121,41 +122,58 @@ class LocalFrontend(UnixListener):
         self._next += 1
         # The kernel's default send buffer (no SO_SNDBUF asked): what a client leaves unread
         # there is kernel memory it makes us hold, as on a ZeroMQ ipc frontend.
-        link = Link(sock, max_bytes=self.max_message_bytes, max_parts=MAX_FRAMES,
-                    buffer_bytes=BUFFER_BYTES, send_buffer=None)
+        link = self._link(sock)
         connection = _Connection(link, rid, (self.index, rid), uid_identity(uid), uid)
         link.on_pending = lambda waiting: self._backed_up(connection, waiting)
         self._by_rid[rid] = connection
         self._watch(link.fd, lambda: self._serve(connection))
+        self._started(connection)
+
+    def _link(self, sock: socket.socket) -> Link:
+        """The codec of one accepted connection: the worker link's framing."""
+        return Link(sock, max_bytes=self.max_message_bytes, max_parts=MAX_FRAMES,
+                    buffer_bytes=BUFFER_BYTES, send_buffer=None)
+
+    def _started(self, connection: _Connection) -> None:
+        """A connection is in the poller: what its protocol does first (nothing here)."""
+
+    # While replies wait: not read (backpressure, this frontend's rule), or read on, the replies
+    # then bounded as a ROUTER bounds them (supervisor/routing/zmtpfront.py).
+    reads_while_backed_up = False
 
     def _backed_up(self, connection: _Connection, waiting: bool) -> None:
         """Replies wait in the link's queue (True) or it has emptied (False): watch the socket
         for writing meanwhile, and do not read it (see the module's docstring)."""
         fd = connection.link.fd
         self._want_write(fd, waiting)
-        self._want_read(fd, not waiting)
+        if not self.reads_while_backed_up:
+            self._want_read(fd, not waiting)
 
     def _serve(self, connection: _Connection) -> None:
         """The connection is readable, writable, or hung up."""
         link = connection.link
         if link.out:
             link.flush()
-            if link.out and not link.broken:
+            if link.out and not link.broken and not self.reads_while_backed_up:
                 return  # still backed up: not read until its replies are written
         for parts in link.receive():
-            parts.insert(0, connection.rid)
-            try:
-                self._on_message(self.index, self, parts, connection.key, connection.identity,
-                                 self.max_message_bytes)
-            except Exception:
-                logger.exception("error handling a client message")
-                self._answer_internal(parts)
+            self._deliver(connection, parts)
             if self.closed:
                 return
         if link.error is not None:
             self.log_per_uid("closed", connection.uid, link.error)
         if link.eof or link.broken:
             self.disconnect(connection)
+
+    def _deliver(self, connection: _Connection, parts: list) -> None:
+        """One message read from ``connection``, to the intake, with its routing id in front."""
+        parts.insert(0, connection.rid)
+        try:
+            self._on_message(self.index, self, parts, connection.key, connection.identity,
+                             self.max_message_bytes)
+        except Exception:
+            logger.exception("error handling a client message")
+            self._answer_internal(parts)
 
     def _answer_internal(self, frames: list) -> None:
         self.send_parts([*reply_route(frames), SIGNATURE, pack(
@@ -174,7 +192,7 @@ class LocalFrontend(UnixListener):
     def send_parts(self, parts: list) -> None:
         """Write ``parts[1:]`` to the connection ``parts[0]`` names; dropped if it has gone."""
         connection = self._by_rid.get(parts[0])
-        if connection is None:
+        if connection is None or not self._room_for_reply(connection):
             return
         try:
             connection.link.send(parts[1:])
@@ -182,6 +200,11 @@ class LocalFrontend(UnixListener):
             logger.warning("%s: a reply could not be written (%s); closing the connection",
                            self.endpoint, errno.errorcode.get(exc.errno, exc))
             self.disconnect(connection)
+
+    def _room_for_reply(self, connection: _Connection) -> bool:
+        """Whether a reply to ``connection`` may be queued (here always: while replies wait, the
+        connection is not read, so it cannot ask for more)."""
+        return True
 
     def close(self) -> None:
         self.closed = True

@@ -91,12 +91,17 @@ class UnixListener:
             self._listening = True
             self._watch(self._listener.fileno(), self._accept)
 
+    # Whether the socket file goes with the listener at a clean stop (else it stays, as
+    # libzmq leaves an ipc:// one: see supervisor/routing/zmtpfront.py).
+    unlink_at_close = True
+
     def close_listener(self) -> None:
         if self._listener is not None:
             self._stop_listening()
             self._listener.close()
             self._listener = None
-            self.path.unlink(missing_ok=True)
+            if self.unlink_at_close:
+                self.path.unlink(missing_ok=True)
 
     # -- connections ---------------------------------------------------------------------------
 

@@ -12,7 +12,9 @@ elements) and what a client does to a daemon's reply (split, the reply's schema,
 The input's raw bytes are also what a peer wrote on a link (shared/link.py): read by the
 supervisor's end of a worker link, by a worker's end, and by a local frontend's connection
 reading a client (``unix://``), they must give the same messages, the same end (the peer's
-close) and the same refusal compiled and uncompiled.
+close) and the same refusal compiled and uncompiled. And they are what a ZeroMQ client wrote to
+an ``ipc://`` frontend (ZMTP, shared/zmtp.py), read from the greeting on and after a DEALER's
+handshake: the same messages (or the same read-past message), end, refusal and peer type.
 The only acceptable outcome of bad bytes is ProtocolError (InternalError from the client's
 splitter): anything else raised, a hang (libFuzzer's -timeout) or a crash of the process is a
 finding. libFuzzer writes each to tests/fuzz/crashes/, which tests/test_fuzz.py replays for
@@ -54,10 +56,11 @@ MAX_BYTES = 1 << 20  # max_message_bytes for the fuzz run: big enough, never a r
 
 import socket  # noqa: E402
 
-from modelwarden.shared import descriptors, link, mpack, protocol  # noqa: E402  (as installed: compiled)
+from modelwarden.shared import descriptors, link, mpack, protocol, zmtp  # noqa: E402  (as installed: compiled)
 from modelwarden.shared.errors import InternalError  # noqa: E402
 from modelwarden.supervisor.routing import limits  # noqa: E402
 from modelwarden.supervisor.routing.localfront import BUFFER_BYTES as LOCAL_BUFFER_BYTES  # noqa: E402
+from modelwarden.supervisor.routing.zmtpfront import PEER_TYPES  # noqa: E402
 
 ROOT = HERE.parent.parent
 # The uncompiled copy, in import order: each module's imports of the others are renamed.
@@ -65,7 +68,8 @@ PURE_SOURCES = {"modelwarden.shared.mpack": "shared/mpack.py",
                 "modelwarden.shared.protocol": "shared/protocol.py",
                 "modelwarden.shared.descriptors": "shared/descriptors.py",
                 "modelwarden.supervisor.routing.limits": "supervisor/routing/limits.py",
-                "modelwarden.shared.link": "shared/link.py"}
+                "modelwarden.shared.link": "shared/link.py",
+                "modelwarden.shared.zmtp": "shared/zmtp.py"}
 
 
 def load_pure() -> types.SimpleNamespace:
@@ -85,7 +89,7 @@ def load_pure() -> types.SimpleNamespace:
 
 
 COMPILED_PATH = types.SimpleNamespace(mpack=mpack, protocol=protocol, descriptors=descriptors,
-                                      limits=limits, link=link)
+                                      limits=limits, link=link, zmtp=zmtp)
 PURE = load_pure()
 
 
@@ -255,12 +259,49 @@ def as_link_stream(path: types.SimpleNamespace, data: bytes, kind: str) -> tuple
         ours.close()
 
 
+# An ipc:// frontend's connection reading a client (supervisor/routing/zmtpfront.py): from its
+# first byte (the greeting), and after a libzmq DEALER's greeting and READY (messages, commands).
+ZMTP_KINDS = {"zmtp client": b"", "zmtp client, handshaken": None}
+
+
+def as_zmtp_stream(path: types.SimpleNamespace, data: bytes, kind: str) -> tuple:
+    """What an ipc:// frontend's ZMTP connection reads of ``data`` (after a DEALER's handshake
+    for the handshaken kind), written by a client which then closes: the messages (each frame's
+    bytes; a message read past, the tuple that says so), whether it saw the close, its refusal."""
+    prefix = ZMTP_KINDS[kind]
+    if prefix is None:
+        prefix = path.zmtp.greeting() + path.zmtp.ready(b"DEALER")
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        end = path.zmtp.ZmtpLink(ours, b"ROUTER", PEER_TYPES, max_bytes=MAX_BYTES,
+                                 max_parts=limits.MAX_FRAMES, buffer_bytes=LOCAL_BUFFER_BYTES)
+        end.greet()
+        theirs.recv(4096)  # our greeting and READY: a close with unread bytes is a reset
+        theirs.sendall(prefix + data)
+        theirs.close()
+        messages = []
+        for _ in range(1000):  # every read makes progress; a loop that does not is a finding
+            messages += [message if type(message) is tuple else [bytes(part) for part in message]
+                         for message in end.receive()]
+            if end.eof or end.broken:
+                return (messages, end.eof, end.error, end.peer_type)
+        raise AssertionError("the ZMTP connection read neither to the end nor to a refusal")
+    finally:
+        ours.close()
+
+
 def one_input(data: bytes) -> None:
     for kind in LINK_KINDS:
         compiled = as_link_stream(COMPILED_PATH, data, kind)
         pure = as_link_stream(PURE, data, kind)
         if compiled != pure:
             raise AssertionError(f"link ({kind}): compiled {compiled!r} but "
+                                 f"uncompiled {pure!r}")
+    for kind in ZMTP_KINDS:
+        compiled = as_zmtp_stream(COMPILED_PATH, data, kind)
+        pure = as_zmtp_stream(PURE, data, kind)
+        if compiled != pure:
+            raise AssertionError(f"zmtp ({kind}): compiled {compiled!r} but "
                                  f"uncompiled {pure!r}")
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
@@ -349,10 +390,22 @@ def seeds() -> list[bytes]:
         link.frame_prefix([b"a"])[:4] + (MAX_BYTES + 1).to_bytes(8, "little"),
         (1 << 21).to_bytes(4, "little"),
     ]
+    handshake = zmtp.greeting() + zmtp.ready(b"DEALER")
+    request = [protocol.SIGNATURE, msgpack.packb(infer), f32]
+    zmtp_streams = [  # ipc:// frontends: a handshake then messages, commands, bounds
+        handshake + b"".join(b"".join(zmtp.framed(parts)) for parts in (
+            request, [b"", *request], [b"x" * 300, b""])),
+        handshake + zmtp.command(b"PING", b"\x00\x0actx") + zmtp.command(b"PONG", b""),
+        b"".join(b"".join(zmtp.framed(parts)) for parts in (request, [b"y" * 70_000])),
+        bytes([zmtp.LONG]) + (MAX_BYTES + 1).to_bytes(8, "big"),
+        b"".join(zmtp.frame_head(zmtp.MORE, 0) for _ in range(limits.MAX_FRAMES + 2)) + b"\x00\x00",
+        handshake[:12] + b"CURVE".ljust(20, b"\0") + handshake[32:],
+        handshake[:64] + zmtp.ready(b"PUB"),
+    ]
     valid = [_message(infer, f32), _message(strings, text), _message(shm, b"\x00\x00"),
              _message(reply, f32), _message(None, f32, raw=relayed), _message(failure), _message({"type": "hello", "id": "h"}),
              _message({"type": "result", "rid": 70000, "ok": True, "compute_us": 250, "batch": 1}, raw=None)]
-    return valid + hostile + streams
+    return valid + hostile + streams + zmtp_streams
 
 
 def replay(paths: list[Path]) -> int:
