@@ -8,10 +8,13 @@ Round trips of an identity model (forward(x) = x, no copy) for payloads of 1 KiB
 targets are stated in, and writes everything as JSON (default bench/results/payloads.json).
 
 Paths measured:
-  mw-shm-fresh    modelwarden, shared memory, an ordinary tensor per call (one copy in)
+  mw-shm-fresh    modelwarden on ipc:// (ZeroMQ's wire, ZMTP), shared memory, an ordinary
+                  tensor per call (one copy in)
   mw-shm-zero     modelwarden, shared memory, a tensor from client.empty() reused (no copy)
-  mw-inline       modelwarden, inline ZeroMQ frames (shared memory off)
-  mw-local        modelwarden on its local frontend (unix://: no ZeroMQ), shared memory on
+  mw-inline       modelwarden on ipc://, inline ZMTP frames (shared memory off)
+  mw-local        modelwarden on its local frontend (unix://: the link's framing), shared memory on
+(The client and the supervisor read and write both frontends themselves: no libzmq runs in
+either on ipc:// or unix://.)
   zmq-reqrep      bare pyzmq REQ/REP between two processes
   zmq-proxy       the same through a C-level zmq.proxy(ROUTER, DEALER) broker process
   py-broker       the same through the smallest Python broker (a poll loop forwarding frames

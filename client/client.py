@@ -76,7 +76,7 @@ import zmq
 from modelwarden.shared import protocol
 from modelwarden.client.control import control_request
 from modelwarden.client.connection import Connection
-from modelwarden.client.local import LocalConnection, is_local
+from modelwarden.client.local import LocalConnection, is_direct, is_local
 from modelwarden.client.curve import ClientKeys, client_keys
 from modelwarden.shared.errors import (BadInput, BadRequest, ConnectionLost, InternalError,
                                        ModelError, NoDaemon, NoWorker, OutOfMemory, Overloaded,
@@ -238,7 +238,7 @@ class Client:
         if connection is None:
             if self._closed:
                 raise RuntimeError("the client is closed")
-            if is_local(self.endpoint):
+            if is_direct(self.endpoint):
                 check_ipc_endpoint(self.endpoint)  # EACCES now, not at the first send
                 connection = LocalConnection(self.endpoint)
             else:
@@ -308,7 +308,7 @@ class Client:
             if self._closed:
                 raise RuntimeError("the client is closed")
             if self._io is None:
-                thread = _LocalIOThread if is_local(self.endpoint) else _IOThread
+                thread = _LocalIOThread if is_direct(self.endpoint) else _IOThread
                 self._io = thread(self._context, self.endpoint, self._session, self._curve)
                 self._io.start()
             return self._io.submit(model, inputs, timeout, details)
@@ -547,8 +547,8 @@ class AsyncClient:
         self.timeout = timeout
         curve = client_keys(self.endpoint, server_key, client_key)
         self._session = Session(self.endpoint, shm, copy_outputs)
-        # unix://: the loop's own connection (client/local.py), made at the first request.
-        self._local = LocalConnection(self.endpoint) if is_local(self.endpoint) else None
+        # unix:// and ipc://PATH: its own connection (client/local.py), made at the first request.
+        self._local = LocalConnection(self.endpoint) if is_direct(self.endpoint) else None
         if self._local is None:
             # The process's one context, never terminated here: a client of its own context
             # that is garbage-collected unclosed inside a reference cycle (asyncio makes them)

@@ -9,7 +9,7 @@ cdef class LocalConnection:
     cdef object __weakref__  # Client keeps its connections in a WeakSet
     cdef public Link link
     cdef public long long lost
-    cdef public bint writing
+    cdef public bint writing, zmtp
 
     cpdef bint try_connect(self) except -1
     cpdef connect(self, double deadline)
@@ -22,5 +22,6 @@ cdef class LocalConnection:
     cpdef object receive(self, double timeout_s)
     cpdef watch_also(self, int fd)
     cpdef set pump(self, object timeout_ms)
+    cdef _arrived(self, list messages)
     cdef _want_write(self, bint wanted)
     cpdef close(self)

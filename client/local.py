@@ -1,9 +1,13 @@
-"""One connection to a daemon's ``unix://`` frontend (supervisor/routing/localfront.py).
+"""One connection to a daemon's ``unix://`` or ``ipc://`` frontend, read and written by the
+client itself (supervisor/routing/localfront.py, zmtpfront.py).
 
-A Unix stream socket framed as a worker link (shared/link.py), carrying the messages a DEALER
-would (``[signature, header, payload...]``), with no ZeroMQ: no I/O thread on either side, so a
-request costs the client a ``sendmsg`` and its reply a ``recv``. Client, its ``submit`` thread
-and AsyncClient (client/client.py) each hold one, as they would a DEALER.
+A Unix stream socket carrying the messages a DEALER would (``[signature, header, payload...]``):
+on ``unix://`` framed as a worker link (shared/link.py), on ``ipc://PATH`` as ZeroMQ frames
+(ZMTP 3.1, shared/zmtp.py: the client is a DEALER to any ROUTER on that path, the daemon's own
+or libzmq's). No libzmq runs on either side, so no I/O thread: a request costs the client a
+``sendmsg`` and its reply a ``recv``. Client, its ``submit`` thread and AsyncClient
+(client/client.py) each hold one, as they would a DEALER. ``tcp://`` (CURVE) and an abstract
+``ipc://@NAME`` stay libzmq's DEALER (client/connection.py).
 
 Differences from a DEALER that callers handle:
 
@@ -12,8 +16,8 @@ Differences from a DEALER that callers handle:
   starting) is tried again until the caller's deadline; one this process may not reach is a
   PermissionError at once (client/ipcaccess.py says who may).
 * Sending never waits: what the socket does not take waits in the link's queue and is written
-  when the socket is writable (``flush``). The daemon stops reading a connection whose replies
-  back up, so a caller waiting to write must read meanwhile: ``receive`` does both.
+  when the socket is writable (``flush``). The daemon stops reading a ``unix://`` connection
+  whose replies back up, so a caller waiting to write must read meanwhile: ``receive`` does both.
 * A closed connection is known at once (``lost``): the requests it carried get no reply, and
   the clients fail them with ConnectionLost instead of waiting for their deadlines.
 """
@@ -28,9 +32,12 @@ from pathlib import Path
 
 from modelwarden.client.ipcaccess import who_may
 from modelwarden.shared.errors import NoDaemon
-from modelwarden.shared.link import Link
+from modelwarden.shared.link import BUFFER_BYTES, MAX_BYTES, MAX_PARTS, SEND_BUFFER, Link
+from modelwarden.shared.zmtp import ZmtpLink
 
 SCHEME = "unix://"
+ZMTP_SCHEME = "ipc://"
+ROUTER = (b"ROUTER",)  # what a DEALER talks to
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
 _RETRY_FIRST_S, _RETRY_MAX_S = 0.005, 0.1  # connecting to a daemon that is (re)starting
 
@@ -39,12 +46,19 @@ def is_local(endpoint: str) -> bool:
     return endpoint.startswith(SCHEME)
 
 
+def is_direct(endpoint: str) -> bool:
+    """An endpoint this module connects to, with no libzmq: ``unix://PATH``, ``ipc://PATH``."""
+    return is_local(endpoint) or (endpoint.startswith(ZMTP_SCHEME)
+                                  and not endpoint.startswith(ZMTP_SCHEME + "@"))
+
+
 class LocalConnection:
     """Compiled, an extension type (local.pxd) whose calls into its link are C calls."""
 
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
-        self.path = endpoint[len(SCHEME):]
+        self.zmtp = not is_local(endpoint)  # ipc://: ZeroMQ's framing
+        self.path = endpoint.partition("://")[2]
         self.link: Link | None = None
         self.inbox: deque = deque()  # messages read while waiting to write
         self.lost = 0  # connections the daemon closed
@@ -70,7 +84,12 @@ class LocalConnection:
         except BaseException:
             sock.close()
             raise
-        self.link = Link(sock)
+        if self.zmtp:
+            self.link = ZmtpLink(sock, b"DEALER", ROUTER, max_bytes=MAX_BYTES, max_parts=MAX_PARTS,
+                                 buffer_bytes=BUFFER_BYTES, send_buffer=SEND_BUFFER)
+            self.link.greet()  # messages may follow at once: the peer reads them after it
+        else:
+            self.link = Link(sock)
         self.writing = False
         self._poll.register(self.link.fd, _POLLIN)
         return True
@@ -143,7 +162,7 @@ class LocalConnection:
         """Read what the socket holds now into ``inbox`` (the socket is readable); the daemon's
         close shows as ``closed_by_peer``."""
         if self.link is not None:
-            self.inbox.extend(self.link.receive())
+            self._arrived(self.link.receive())
 
     def receive(self, timeout_s: float) -> list | None:
         """One message, or None when none came within the timeout (or the daemon closed the
@@ -173,8 +192,15 @@ class LocalConnection:
             if events & _POLLOUT:
                 self.flush()
             if events & ~_POLLOUT:  # readable, or hung up: the link's receive says which
-                self.inbox.extend(link.receive())
+                self._arrived(link.receive())
         return others
+
+    def _arrived(self, messages: list) -> None:
+        """Into ``inbox``: every message but what a ZMTP link read past as over its bounds
+        (more than MAX_PARTS frames or MAX_BYTES: no daemon sends one)."""
+        for message in messages:
+            if type(message) is not tuple:
+                self.inbox.append(message)
 
     def _want_write(self, wanted: bool) -> None:
         self.writing = wanted

@@ -251,7 +251,8 @@ def split_frames(data: bytearray) -> list[list[bytes]]:
 # -- a daemon that goes away, or is not there ------------------------------------------------------
 
 
-def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_connected_again():
+@pytest.mark.parametrize("frontend", ["local", "endpoint"])  # unix://, and ipc:// (ZMTP)
+def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_connected_again(frontend):
     # Slow enough that none of the six requests is answered before the kill, however slowly
     # the threads below start.
     echo = {"name": "echo", "source": "python:tests.faulty:make_echo", "kwargs": {"delay": 5.0},
@@ -259,7 +260,8 @@ def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_c
     x = torch.arange(8.0)
     with Daemon([echo], local=True) as daemon:
         daemon.wait_ready()
-        with Client(daemon.local, timeout=120) as client:
+        endpoint = getattr(daemon, frontend)
+        with Client(endpoint, timeout=120) as client:
             client.hello()
             futures = [client.submit("echo", x) for _ in range(4)]
             outcome: dict = {}
@@ -271,7 +273,7 @@ def test_a_daemon_that_dies_fails_what_waited_on_it_at_once_and_its_restart_is_c
                     outcome["sync"] = exc
 
             async def async_infer() -> None:
-                async with AsyncClient(daemon.local, timeout=120) as other:
+                async with AsyncClient(endpoint, timeout=120) as other:
                     await other.hello()
                     try:
                         outcome["async"] = await other.infer("echo", x)

@@ -18,6 +18,7 @@ from examples.models import make_mlp
 from modelwarden.shared import protocol
 from modelwarden.client.client import BadInput, BadRequest, Client, UnknownModel
 from modelwarden.shared.cpulist import format_cores
+from modelwarden.shared.errors import NoDaemon
 from tests.helpers import (ROOT, Daemon, alive, cmdline, cpus_allowed, header_frame,
                            join_within, mlp_model, poll_until, raw_request)
 
@@ -418,10 +419,8 @@ def test_a_second_daemon_on_the_same_runtime_dir_refuses_to_start(daemon):
 
 
 def test_a_client_without_a_daemon_says_so(tmp_path):
-    from modelwarden.client.client import Timeout
-
     with Client(f"ipc://{tmp_path}/nothing.sock", timeout=0.5) as client:
-        with pytest.raises(Timeout, match="socket file does not exist"):
+        with pytest.raises(NoDaemon, match="no daemon listening at"):
             client.infer("mlp", torch.randn(1, 64))
 
 

@@ -4,12 +4,17 @@ file without libzmq (its greeting and READY come whole, before the client says a
 libzmq's ROUTER never does); bytes that are not ZMTP close that connection alone, logged; a
 connection that never completes its handshake is closed at the deadline and its shares given
 back; a reply to a connection whose queue holds REPLY_HWM chunks is dropped, as a ROUTER drops
-what passes its ZMQ_SNDHWM."""
+what passes its ZMQ_SNDHWM. The Python client speaks ZMTP on ``ipc://`` too (client/local.py):
+a process that serves its requests there runs no libzmq thread, and it is a DEALER to any
+ROUTER, libzmq's included."""
 
 from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -17,12 +22,13 @@ import torch
 import zmq
 
 from modelwarden import Client
+from modelwarden.client.local import LocalConnection
 from modelwarden.shared import protocol
 from modelwarden.shared.zmtp import greeting, ready
 from modelwarden.supervisor.routing import zmtpfront
 from modelwarden.supervisor.routing.connections import ConnectionGuard
 from modelwarden.supervisor.routing.zmtpfront import HANDSHAKE_S, ZmtpFrontend
-from tests.helpers import Daemon, mlp_model, poll_until
+from tests.helpers import ROOT, Daemon, mlp_model, poll_until
 from tests.test_local import closed_by_daemon, own_connections
 
 
@@ -186,3 +192,42 @@ def test_replies_past_the_hwm_are_dropped_as_a_router_drops_them(front, monkeypa
         assert sum(memoryview(chunk).nbytes for chunk in link.out) < 2 * len(big) + 9
     finally:
         sock.close()
+
+
+# -- the client's side ------------------------------------------------------------------------------
+
+
+def test_a_client_on_ipc_runs_no_libzmq_thread(daemon):
+    script = (
+        "import os, torch\n"
+        "from modelwarden import Client\n"
+        f"with Client({daemon.endpoint!r}, timeout=30) as client:\n"
+        "    client.infer('mlp', torch.randn(2, 64))\n"
+        "    client.submit('mlp', torch.randn(2, 64)).result(30)\n"
+        "    names = [open(f'/proc/self/task/{task}/comm').read().strip()\n"
+        "             for task in os.listdir('/proc/self/task')]\n"
+        "print(sorted(names))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ZMQbg" not in done.stdout, done.stdout  # libzmq's I/O and reaper threads
+
+
+def test_the_clients_zmtp_talks_to_a_libzmq_router(tmp_path):
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    endpoint = f"ipc://{tmp_path}/router.sock"
+    router.bind(endpoint)
+    connection = LocalConnection(endpoint)
+    try:
+        connection.deliver([[b"MWP1", b"hello", bytes(100_000)]], time.monotonic() + 10)
+        assert router.poll(10_000)
+        rid, *frames = router.recv_multipart()
+        assert frames == [b"MWP1", b"hello", bytes(100_000)]
+        router.send_multipart([rid, b"MWP1", b"reply"])
+        reply = connection.receive(10)
+        assert [bytes(frame) for frame in reply] == [b"MWP1", b"reply"]
+    finally:
+        connection.close()
+        router.close(0)
+        context.term()

@@ -45,9 +45,11 @@ Pausing is not ``zmq_unbind``: unbinding terminates the listener together with e
 accepted (they are its children in libzmq's object tree), which would drop the clients already
 being served. Instead:
 
-* a libzmq ``ipc://`` listener's (``control.sock``'s) socket file is renamed aside (``.NAME.paused`` in the same directory):
-  new clients get ENOENT; the listening socket, its permissions and its accepted connections stay
-  as they are; resuming renames it back;
+* an ``ipc://`` listener's socket file is renamed aside (``.NAME.paused`` in the same directory,
+  ``SocketFileAside``): new clients get ENOENT; the listening socket, its permissions and its
+  accepted connections stay as they are; resuming renames it back. So are libzmq's
+  (``control.sock``) and the loop's own ZMTP frontends' (supervisor/routing/zmtpfront.py), which
+  also leave the poller: what connected just before the rename waits in the backlog;
 * a ``tcp://`` listener gets a classic BPF filter that drops every packet (``SO_ATTACH_FILTER``):
   the kernel runs a listening socket's filter on each SYN, so new clients are not answered (their
   SYNs are retransmitted, and connect once the listener resumes); connections accepted before
@@ -132,49 +134,69 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd")) - 1
 
 
+class SocketFileAside:
+    """An ``ipc://`` listener's socket file, renamed aside while its listener is paused
+    (``.NAME.paused`` in the same directory): new clients get ENOENT; the listening socket, its
+    permissions and its accepted connections stay as they are. Used for libzmq's listeners
+    (``Listener``) and the loop's own ZMTP ones (supervisor/routing/zmtpfront.py)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.mode = 0o600  # the socket file's mode before a pause
+        self.moved = False
+        self.aside().unlink(missing_ok=True)  # left by a daemon killed while paused
+
+    def move(self) -> None:
+        # Mode 0 first: the aside name is listable by the clients' group, and a connect to it
+        # must fail too, or a group member could flood past the pause.
+        self.mode = stat.S_IMODE(os.stat(self.path).st_mode)
+        os.chmod(self.path, 0)
+        os.rename(self.path, self.aside())
+        self.moved = True
+
+    def restore(self) -> None:
+        if self.moved:
+            os.rename(self.aside(), self.path)
+            os.chmod(self.path, self.mode)
+            self.moved = False
+
+    def aside(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.paused")
+
+
 class Listener:
     """One client-facing endpoint, pausable without touching its accepted connections."""
 
     def __init__(self, endpoint: str, sock: zmq.Socket) -> None:
         self.endpoint = endpoint
         self.paused = False
-        self._path: Path | None = None
-        self._mode = 0o600  # the socket file's mode before a pause
+        self._file: SocketFileAside | None = None
         self._fd: int | None = None
         if endpoint.startswith("ipc://@"):
             logger.warning("%s is an abstract socket (no file to rename): it will not pause "
                            "under load", endpoint)
         elif endpoint.startswith("ipc://"):
-            self._path = Path(endpoint[len("ipc://"):])
-            self._aside().unlink(missing_ok=True)  # left by a daemon killed while paused
+            self._file = SocketFileAside(Path(endpoint[len("ipc://"):]))
         else:
             self._fd = _listening_fd(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     @property
     def pausable(self) -> bool:
-        return self._path is not None or self._fd is not None
+        return self._file is not None or self._fd is not None
 
     def pause(self) -> None:
-        if self._path is not None:
-            # Mode 0 first: the aside name is listable by the clients' group, and a connect to it
-            # must fail too, or a group member could flood past the pause.
-            self._mode = stat.S_IMODE(os.stat(self._path).st_mode)
-            os.chmod(self._path, 0)
-            os.rename(self._path, self._aside())
+        if self._file is not None:
+            self._file.move()
         elif self._fd is not None:
             _setsockopt_fd(self._fd, SO_ATTACH_FILTER, _DROP_ALL_PROG)
         self.paused = True
 
     def resume(self) -> None:
-        if self._path is not None:
-            os.rename(self._aside(), self._path)
-            os.chmod(self._path, self._mode)
+        if self._file is not None:
+            self._file.restore()
         elif self._fd is not None:
             _setsockopt_fd(self._fd, SO_DETACH_FILTER, struct.pack("i", 0))
         self.paused = False
-
-    def _aside(self) -> Path:
-        return self._path.with_name(f".{self._path.name}.paused")
 
 
 def _shutdown(fd: int) -> None:

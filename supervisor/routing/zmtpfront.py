@@ -10,8 +10,9 @@ worker link's framing:
 * a connection is admitted, or refused, by the listener (supervisor/routing/unixlistener.py):
   the daemon's descriptor budget, its uid's share of connections (``SO_PEERCRED``: the identity
   ``uid:N``, as libzmq's ``Peer-Address`` said it), paused with the other listeners at the
-  high-water mark (taken out of the poller: new clients wait in the backlog, and libzmq's
-  reconnection brings them in once it resumes);
+  high-water mark as a libzmq ``ipc://`` listener is: its socket file renamed aside (new
+  clients get ENOENT, and libzmq's reconnection brings them in once it resumes;
+  supervisor/routing/connections.py ``SocketFileAside``), and taken out of the poller;
 * the daemon's greeting and READY go out as soon as it is admitted; the client's must follow
   within HANDSHAKE_S (libzmq's own ``ZMQ_HANDSHAKE_IVL`` default), or the connection is closed:
   a connection that never speaks holds a descriptor and its identity's share;
@@ -41,6 +42,7 @@ import socket
 
 from modelwarden.shared.protocol import SIGNATURE, error_header, pack
 from modelwarden.shared.zmtp import ZmtpLink
+from modelwarden.supervisor.routing.connections import SocketFileAside
 from modelwarden.supervisor.routing.limits import MAX_FRAMES, oversized
 from modelwarden.supervisor.routing.localfront import BUFFER_BYTES, LocalFrontend, _Connection
 
@@ -63,6 +65,23 @@ class ZmtpFrontend(LocalFrontend):
     # daemon is gone and says so at once (client/ipcaccess.stale_socket), where a missing file
     # would be waited on as a daemon still starting. The next daemon binds over it.
     unlink_at_close = False
+
+    def listen(self) -> None:
+        super().listen()
+        self._file = SocketFileAside(self.path)
+
+    def pause(self) -> None:
+        super().pause()
+        self._file.move()
+
+    def resume(self) -> None:
+        self._file.restore()
+        super().resume()
+
+    def close_listener(self) -> None:
+        if self._listener is not None:
+            self._file.restore()  # a stale socket at its name, as libzmq leaves one
+        super().close_listener()
 
     def _link(self, sock: socket.socket) -> ZmtpLink:
         # The kernel's default send buffer, as the local frontend's (what a client leaves
