@@ -308,11 +308,11 @@ def serving_missed(data: dict) -> list[str]:
     if t and t["met"] is False:
         ours = mw_best(data, "W1", 1, False)
         local = mw_best(data, "W1", 1, False, LOCAL)
-        there = (f"; on the local frontend, where neither end runs a libzmq I/O thread, it took "
-                 f"{ms(local['p50_ms'])}" if local and local.get("p50_ms") else "")
+        there = (f"; on the local frontend (`unix://`) it took {ms(local['p50_ms'])}"
+                 if local and local.get("p50_ms") else "")
         notes.append(
             f"*W1 at 1 in flight*: {ms(ours and ours['p50_ms'])} is two hops, client to "
-            f"supervisor over ZeroMQ (a libzmq I/O thread wakes on each side, each way) and "
+            f"supervisor over `ipc://` (ZMTP, read and written by both ends themselves) and "
             f"supervisor to worker over a socket pair{there}. The fastest peer here "
             f"({t['how'].removeprefix('vs ')}) answers from a compiled front end with one hop to "
             f"its worker.")
@@ -367,11 +367,12 @@ def serving_section(data: dict | None, img: Path) -> list[str]:
     out += serving_table(data) + [""]
     local = local_table(data)
     if local:
-        out += ["### The local frontend against ZeroMQ", "",
+        out += ["### The local frontend against ZeroMQ's wire", "",
                 "Each 2-worker point of modelwarden measured again, on the same daemon, with the "
                 "clients on its local frontend (`unix://`: the one a client on the daemon's host "
-                "takes by default; neither the client nor the supervisor runs a libzmq I/O "
-                "thread). Requests/s, then (p50 / p99).", ""]
+                "takes by default). On both frontends the client and the supervisor read and "
+                "write the socket themselves, with no libzmq: they differ in framing (ZMTP on "
+                "`ipc://`). Requests/s, then (p50 / p99).", ""]
         out += local + [""]
     out += point_errors(data, ("modelwarden", LOCAL, "in-process", *PEERS))
     out += ["", "### Targets, as ratios within this run", "",
@@ -654,7 +655,7 @@ PAYLOAD_PATHS = {
     "mw-shm-fresh": "modelwarden, shared memory, an ordinary tensor",
     "mw-shm-zero": "modelwarden, shared memory, `client.empty()`",
     "mw-inline": "modelwarden, inline frames",
-    "mw-local": "modelwarden over `unix://` (no ZeroMQ)",
+    "mw-local": "modelwarden over `unix://` (the link's framing, not ZMTP)",
     "zmq-reqrep": "bare pyzmq REQ/REP",
     "zmq-proxy": "through a C `zmq.proxy` broker",
     "py-broker": "through the smallest Python broker (parses nothing)",
@@ -778,10 +779,10 @@ def instructions_section(data: dict | None) -> list[str]:
         "change\" is the commit before this work (`acfd321`: `git worktree add /tmp/base acfd321`, "
         "then `python setup.py build_ext --inplace` there), built the same way and measured in "
         "the same run; \"uncompiled\" is this checkout without its compiled modules. The clients "
-        "are on the daemon's `ipc://` frontend (ZeroMQ), except in the rows that say `unix://`: "
-        "this checkout's client on its local frontend (the default on the daemon's host), "
-        "where neither process runs libzmq; the "
-        "worker's side is the same on both.", ""]
+        "are on the daemon's `ipc://` frontend, except in the rows that say `unix://`: this "
+        "checkout's client on its local frontend (the default on the daemon's host); the "
+        "worker's side is the same on both. Whether a process runs libzmq on `ipc://` is the "
+        "checkout's: this one's client and supervisor speak ZMTP themselves.", ""]
     out += provenance(data) + [""]
     rows = data["rows"]
     floor_count = rows["floor"]
@@ -854,10 +855,11 @@ def ceiling_section(data: dict | None) -> list[str]:
            if "against" in trees else "")
         + ". A round's ratio is to its own floor; the medians are stated. Requests/s is what one "
           "core routes at the median CPU (1e6 / µs). The clients are on the daemon's `ipc://` "
-          "frontend (ZeroMQ), and, in the rows that say so, this checkout's on its `unix://` "
-          "frontend (the one a client on the daemon's host takes by default), which the "
-          "supervisor's loop reads and writes itself (no libzmq I/O thread on either side: "
-          "docs/ARCHITECTURE.md, \"The local frontend\").", ""]
+          "frontend (ZeroMQ's wire), and, in the rows that say so, this checkout's on its "
+          "`unix://` frontend (the one a client on the daemon's host takes by default). The "
+          "supervisor's loop reads and writes both itself, and so does this checkout's client "
+          "(no libzmq I/O thread on either side: docs/ARCHITECTURE.md, \"The `ipc://` frontend "
+          "speaks ZeroMQ without libzmq\").", ""]
     out += provenance(data) + [""]
     summary = data["summary"]
     rows = []
