@@ -676,6 +676,7 @@ class AsyncClient:
     def _on_local_events(self) -> None:
         local = self._local
         local.read()
+        self._follow_local_queue()  # what waited for an ipc:// daemon's READY may wait to go
         waiting = self._waiting
         for frames in local.take():
             try:
@@ -687,6 +688,13 @@ class AsyncClient:
                 future.set_result((header, payload))
         if local.closed_by_peer:
             self._local_lost()
+
+    def _follow_local_queue(self) -> None:
+        """Watch for writing while the connection's queue holds bytes."""
+        link = self._local.link
+        if link is not None and link.out and not self._writing:
+            self._loop.add_writer(self._fd, self._on_local_writable)
+            self._writing = True
 
     def _on_local_writable(self) -> None:
         local = self._local
@@ -706,11 +714,8 @@ class AsyncClient:
 
     def _send(self, parts: list) -> None:
         if self._local is not None:
-            link = self._local.link
-            link.send(parts)
-            if link.out and not self._writing:
-                self._loop.add_writer(self._fd, self._on_local_writable)
-                self._writing = True
+            self._local.link.send(parts)
+            self._follow_local_queue()
             return
         # Never waits (client/connection.py); a socket libzmq gave up is replaced by a new one.
         if self._connection.send([parts]):

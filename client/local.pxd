@@ -23,5 +23,6 @@ cdef class LocalConnection:
     cpdef watch_also(self, int fd)
     cpdef set pump(self, object timeout_ms)
     cdef _arrived(self, list messages)
+    cdef _follow_queue(self)
     cdef _want_write(self, bint wanted)
     cpdef close(self)

@@ -140,8 +140,7 @@ class LocalConnection:
         link = self.link
         for parts in messages:
             link.send(parts)
-        if bool(link.out) != self.writing:
-            self._want_write(not self.writing)
+        self._follow_queue()
         return False
 
     def flush(self) -> None:
@@ -163,6 +162,7 @@ class LocalConnection:
         close shows as ``closed_by_peer``."""
         if self.link is not None:
             self._arrived(self.link.receive())
+            self._follow_queue()
 
     def receive(self, timeout_s: float) -> list | None:
         """One message, or None when none came within the timeout (or the daemon closed the
@@ -193,6 +193,7 @@ class LocalConnection:
                 self.flush()
             if events & ~_POLLOUT:  # readable, or hung up: the link's receive says which
                 self._arrived(link.receive())
+                self._follow_queue()
         return others
 
     def _arrived(self, messages: list) -> None:
@@ -201,6 +202,13 @@ class LocalConnection:
         for message in messages:
             if type(message) is not tuple:
                 self.inbox.append(message)
+
+    def _follow_queue(self) -> None:
+        """Watch for writing while the link's queue holds bytes: a ZMTP link writes what was
+        sent before the daemon's READY when that READY is read (shared/zmtp.py ``held``)."""
+        link = self.link
+        if link is not None and not link.broken and bool(link.out) != self.writing:
+            self._want_write(not self.writing)
 
     def _want_write(self, wanted: bool) -> None:
         self.writing = wanted

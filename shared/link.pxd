@@ -56,6 +56,7 @@ cdef class Link:
     cdef _drop_queue(self)
     @cython.locals(messages=list, more=cython.bint)
     cpdef list receive(self)
+    cdef _big_done(self, list messages)
     @cython.locals(kept=Py_ssize_t)
     cdef _make_room(self, Py_ssize_t size)
     @cython.locals(room=Py_ssize_t, got=Py_ssize_t)
@@ -88,6 +89,8 @@ cdef unsigned long long _u64_at(const unsigned char *data) noexcept
 @cython.locals(count=Py_ssize_t, taken=Py_ssize_t, total=Py_ssize_t, written=Py_ssize_t,
                index=Py_ssize_t, code=int)
 cdef Py_ssize_t _sendmsg_c(int fd, list parts) except? -2
+@cython.locals(written=Py_ssize_t, code=int)
+cdef Py_ssize_t _sendmsg_now(int fd, mw_msghdr *message, str what) except -1
 @cython.locals(index=cython.int)
 cdef void _put_u32(unsigned char *data, unsigned long long value) noexcept
 @cython.locals(index=cython.int)

@@ -267,7 +267,7 @@ class Link:
                 if self.big is not None:
                     if not self._read_big():
                         return messages
-                    messages.append(self._finish_big())
+                    self._big_done(messages)
                     continue
                 more = self._fill()
                 self._parse(messages)
@@ -276,6 +276,11 @@ class Link:
         except LinkError as exc:
             self.error = str(exc)
         return messages
+
+    def _big_done(self, messages: list) -> None:
+        """The large message being read is whole: it joins ``messages`` (shared/zmtp.py reads a
+        large frame this way, and adds it to its message instead)."""
+        messages.append(self._finish_big())
 
     def _make_room(self, size: int) -> None:
         """Move what is unparsed to the start of a buffer that holds at least ``size`` bytes."""
@@ -576,22 +581,28 @@ def _sendmsg_c(fd, parts):
         memset(cython.address(message), 0, cython.sizeof(mw_msghdr))
         message.msg_iov = iov
         message.msg_iovlen = count + 1
-        while True:
-            written = mw_sendmsg(fd, cython.address(message), _DONTWAIT | _NOSIGNAL)
-            if written >= 0:
-                break
-            code = errno_c
-            if code == _EINTR:
-                PyErr_CheckSignals()
-                continue
-            if code == _EAGAIN:
-                written = 0
-                break
-            raise OSError(code, "sendmsg on a worker link")
+        written = _sendmsg_now(fd, cython.address(message), "sendmsg on a worker link")
     finally:
         for index in range(taken):
             PyBuffer_Release(cython.address(views[index]))
     return -1 if written == total else written
+
+
+def _sendmsg_now(fd, message, what):
+    """sendmsg(2) of ``message`` without waiting: the bytes written, 0 if the socket was full;
+    OSError (``what`` says of which socket) for anything else. A signal is handled and the call
+    made again. Also shared/zmtp.py's."""
+    while True:
+        written = mw_sendmsg(fd, message, _DONTWAIT | _NOSIGNAL)
+        if written >= 0:
+            return written
+        code = errno_c
+        if code == _EINTR:
+            PyErr_CheckSignals()
+            continue
+        if code == _EAGAIN:
+            return 0
+        raise OSError(code, what)
 
 
 def _put_u32(data, value):

@@ -40,8 +40,6 @@ runs as it is, and the fuzzer (tests/fuzz/wire.py) drives both and compares them
 
 from __future__ import annotations
 
-import errno
-
 from modelwarden.shared.link import SMALL_BELOW, Link, LinkError
 
 try:
@@ -68,7 +66,6 @@ _STAGE_NAMES = ("greeting", "handshake", "open")
 
 # The C copies the compiled code reads (zmtp.pxd).
 _SMALL_BELOW, _MORE, _LONG, _COMMAND, _MAX_COMMAND = SMALL_BELOW, MORE, LONG, COMMAND, MAX_COMMAND
-_EAGAIN, _EINTR = errno.EAGAIN, errno.EINTR
 
 
 def greeting() -> bytes:
@@ -158,6 +155,10 @@ class ZmtpLink(Link):
         self.frames = []  # the message being read: its frames so far
         self.message_bytes = 0  # their bytes, with the declared size of a frame being read
         self.big_more = False  # the MORE flag of the large frame being read
+        # Messages sent before the peer's READY came, written once it has: a libzmq peer reads
+        # everything after its own READY as handshake until it has written that READY, and
+        # takes an early message for a protocol error.
+        self.held = []
         # A message past max_parts or max_bytes is read past, not held (``_discard``).
         self.discarding = False
         self.discarded_frames = 0
@@ -178,6 +179,14 @@ class ZmtpLink(Link):
 
     # -- writing: the link's queue, with ZMTP's framing ---------------------------------------
 
+    def send(self, parts: list, blocking: bool = False) -> bool:
+        """Queue one message (see the link's); before the handshake is done it waits in
+        ``held`` and goes out when the peer's READY comes (False: not written yet)."""
+        if self.stage != OPEN and not self.broken:
+            self.held.append(parts)
+            return False
+        return Link.send(self, parts, blocking)
+
     def _framed(self, parts: list) -> list:
         return framed(parts)
 
@@ -186,27 +195,9 @@ class ZmtpLink(Link):
 
     # -- reading -------------------------------------------------------------------------------
 
-    def receive(self) -> list:
-        """Every message complete once what the socket holds now is read (up to
-        ``read_per_call`` bytes); the handshake's commands are answered on the way."""
-        messages = []
-        if self.broken or self.eof:
-            return messages
-        self.taken = 0
-        try:
-            while self.taken < self.read_per_call:
-                if self.big is not None:
-                    if not self._read_big():
-                        return messages
-                    self._frame_done(self._finish_big()[0], self.big_more, messages)
-                    continue
-                more = self._fill()
-                self._parse(messages)
-                if not more:
-                    return messages
-        except LinkError as exc:
-            self.error = str(exc)
-        return messages
+    def _big_done(self, messages: list) -> None:
+        """A large frame is whole: it joins the message being read."""
+        self._frame_done(self._finish_big()[0], self.big_more, messages)
 
     def _parse(self, messages: list) -> None:
         """Every complete frame in the buffer: commands answered, data frames gathered into
@@ -364,6 +355,9 @@ class ZmtpLink(Link):
                               f"which a {self.socket_type.decode()} does not talk to")
             self.peer_type = peer_type
             self.stage = OPEN
+            held, self.held = self.held, []
+            for parts in held:
+                Link.send(self, parts, False)
             return
         if name == b"PING":
             if len(data) < 2:
@@ -435,18 +429,7 @@ def _zmtp_sendmsg_c(fd, parts):
         memset(cython.address(message), 0, cython.sizeof(mw_msghdr))
         message.msg_iov = iov
         message.msg_iovlen = 2 * count
-        while True:
-            written = mw_sendmsg(fd, cython.address(message), _DONTWAIT | _NOSIGNAL)
-            if written >= 0:
-                break
-            code = errno_c
-            if code == _EINTR:
-                PyErr_CheckSignals()
-                continue
-            if code == _EAGAIN:
-                written = 0
-                break
-            raise OSError(code, "sendmsg on a ZMTP connection")
+        written = _sendmsg_now(fd, cython.address(message), "sendmsg on a ZMTP connection")
     finally:
         for index in range(taken):
             PyBuffer_Release(cython.address(views[index]))

@@ -120,9 +120,11 @@ def test_a_local_client_gets_what_an_ipc_client_gets_sync_submit_and_async(daemo
     assert all(torch.equal(out, expected[0]) for out in asyncio.run(many()))
 
 
-def test_a_local_connection_is_its_uids_until_it_closes(daemon):
+@pytest.mark.parametrize("frontend", ["local", "endpoint"])  # unix://, and ipc:// (ZMTP)
+def test_a_local_connection_is_its_uids_until_it_closes(daemon, frontend):
     before = own_connections(daemon)
-    sock = raw_connection(daemon)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(getattr(daemon, frontend).partition("://")[2])
     try:
         poll_until(lambda: own_connections(daemon) == before + 1, 15,
                    message="the connection counted as ours")

@@ -19,6 +19,7 @@ from modelwarden.shared import zmtp
 from modelwarden.shared.link import GROW_FROM, SMALL_BELOW
 from modelwarden.shared.zmtp import (COMMAND, LONG, MAX_COMMAND, MORE, OPEN, ZmtpLink, command,
                                      frame_head, greeting, property_bytes, ready)
+from tests.test_unit_link import receive_all
 
 MAX_BYTES = 1 << 30
 
@@ -28,19 +29,6 @@ def router_link(sock: socket.socket, **kwargs) -> ZmtpLink:
     link = ZmtpLink(sock, b"ROUTER", (b"DEALER", b"REQ"), **bounds)
     link.greet()
     return link
-
-
-def receive(link: ZmtpLink, count: int, timeout: float = 10.0) -> list:
-    """``count`` messages from ``link``, waiting for them in poll(2)."""
-    messages: list = []
-    deadline = time.monotonic() + timeout
-    while len(messages) < count:
-        left = deadline - time.monotonic()
-        assert left > 0, f"{len(messages)} of {count} messages came (error: {link.error})"
-        assert not link.broken and not link.eof, link.error
-        select.select([link.fd], [], [], left)
-        messages.extend(link.receive())
-    return messages
 
 
 def read_until_broken(link: ZmtpLink, timeout: float = 5.0) -> str:
@@ -90,7 +78,7 @@ def handshaken(**kwargs) -> tuple[ZmtpLink, socket.socket]:
     """Our link, and a raw peer that has sent its greeting and a DEALER's READY."""
     link, peer = raw_pair(**kwargs)
     peer.sendall(greeting() + ready(b"DEALER"))
-    assert receive(link, 0) == [] and link.receive() == []
+    assert receive_all(link, 0) == [] and link.receive() == []
     assert link.open
     return link, peer
 
@@ -115,7 +103,7 @@ def test_libzmq_sockets_handshake_and_messages_of_every_size_go_both_ways_whole(
     for round_ in range(12 if kind == zmq.DEALER else 6):
         message = [rng.randbytes(rng.choice(sizes)) for _ in range(rng.randint(1, 5))]
         peer.send_multipart(message)
-        (got,) = receive(link, 1)
+        (got,) = receive_all(link, 1)
         expected = [b"", *message] if kind == zmq.REQ else message  # REQ's delimiter
         assert [bytes(frame) for frame in got] == expected
         assert link.peer_type == (b"REQ" if kind == zmq.REQ else b"DEALER")
@@ -134,7 +122,7 @@ def test_a_heartbeating_libzmq_peer_is_answered_and_stays_connected(zmq_peer):
             assert link.receive() == [] and not link.broken, link.error
         assert not monitor.poll(0), "libzmq gave the connection up: its PINGs went unanswered"
         peer.send_multipart([b"still", b"here"])
-        assert [bytes(f) for f in receive(link, 1)[0]] == [b"still", b"here"]
+        assert [bytes(f) for f in receive_all(link, 1)[0]] == [b"still", b"here"]
     finally:
         peer.disable_monitor()
         monitor.close(0)
@@ -143,7 +131,7 @@ def test_a_heartbeating_libzmq_peer_is_answered_and_stays_connected(zmq_peer):
 def test_a_peer_that_does_not_read_has_its_replies_queued_in_order_and_flushed(zmq_peer):
     peer, link = zmq_peer(zmq.DEALER, RCVHWM=1, RCVBUF=4096)
     peer.send(b"go")
-    receive(link, 1)
+    receive_all(link, 1)
     replies = [[b"%d" % index, bytes(8192)] for index in range(400)]
     for reply in replies:
         link.send(reply)
@@ -179,11 +167,11 @@ def test_a_ping_is_answered_with_a_pong_carrying_its_context():
     link, peer = handshaken()
     read_exactly(peer, 64 + len(ready(b"ROUTER")))
     peer.sendall(command(b"PING", b"\x00\x0a" + b"context-of-16-by"))
-    assert receive(link, 0) == [] and link.receive() == []
+    assert receive_all(link, 0) == [] and link.receive() == []
     assert read_exactly(peer, len(command(b"PONG", b"context-of-16-by"))) == command(
         b"PONG", b"context-of-16-by")
     peer.sendall(command(b"PONG", b"") + frame_head(0, 2) + b"ok")  # a PONG is read past
-    assert [bytes(f) for f in receive(link, 1)[0]] == [b"ok"]
+    assert [bytes(f) for f in receive_all(link, 1)[0]] == [b"ok"]
 
 
 GREETING = greeting()
@@ -245,7 +233,7 @@ def test_a_message_past_its_bounds_is_read_past_not_held_and_said_then_the_next_
                       for index, frame in enumerate(message))
     writer = threading.Thread(target=peer.sendall, args=(stream,))  # more than the socket holds
     writer.start()
-    got = receive(link, 3)
+    got = receive_all(link, 3)
     writer.join()
     delimited = first == b""
     assert got[0] == (13, 16 - 4 * delimited, delimited)
@@ -274,3 +262,24 @@ def test_our_greeting_and_ready_are_what_libzmq_is_sent():
     assert read_exactly(peer, len(ready(b"ROUTER"))) == (
         bytes([COMMAND, 28]) + b"\x05READY" + property_bytes(b"Socket-Type", b"ROUTER"))
     assert link.stage != OPEN
+
+
+def test_a_message_sent_before_the_peers_ready_waits_for_it():
+    """libzmq reads what follows its peer's READY as handshake until it has written its own
+    READY: a message before that is a protocol error to it, so the link holds it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.settimeout(5)
+    dealer = ZmtpLink(ours, b"DEALER", (b"ROUTER",), max_bytes=MAX_BYTES, max_parts=64,
+                      buffer_bytes=16 * 1024)
+    dealer.greet()
+    assert dealer.send([b"MWP1", b"early"]) is False and dealer.held
+    assert read_exactly(theirs, 64 + len(ready(b"DEALER"))) == greeting() + ready(b"DEALER")
+    theirs.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        theirs.recv(1)  # the message is not on the wire
+    theirs.setblocking(True)
+    theirs.sendall(greeting() + ready(b"ROUTER"))
+    select.select([dealer.fd], [], [], 5)
+    assert dealer.receive() == [] and dealer.open and not dealer.held
+    expected = b"".join(bytes(chunk) for chunk in zmtp.framed([b"MWP1", b"early"]))
+    assert read_exactly(theirs, len(expected)) == expected

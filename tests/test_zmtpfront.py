@@ -28,8 +28,8 @@ from modelwarden.shared.zmtp import greeting, ready
 from modelwarden.supervisor.routing import zmtpfront
 from modelwarden.supervisor.routing.connections import ConnectionGuard
 from modelwarden.supervisor.routing.zmtpfront import HANDSHAKE_S, ZmtpFrontend
-from tests.helpers import ROOT, Daemon, mlp_model, poll_until
-from tests.test_local import closed_by_daemon, own_connections
+from tests.helpers import ROOT, Daemon, mlp_model
+from tests.test_local import closed_by_daemon
 
 
 @pytest.fixture(scope="module")
@@ -99,17 +99,6 @@ def test_bytes_that_are_not_zmtp_close_that_connection_alone(daemon, garbage):
             sock.close()
         assert torch.equal(bystander.infer("mlp", x), want)
     assert f"frontend.sock: closed 1 connection(s) from uid {os.geteuid()}" in daemon.log()
-
-
-def test_an_ipc_connection_is_its_uids_until_it_closes(daemon):
-    before = own_connections(daemon)
-    sock = raw_connection(daemon.endpoint)
-    try:
-        poll_until(lambda: own_connections(daemon) == before + 1, 15,
-                   message="the connection counted as ours")
-    finally:
-        sock.close()
-    poll_until(lambda: own_connections(daemon) == before, 15, message="given back at its close")
 
 
 # -- the frontend's own rules, on a listener of its own (its loop's hooks are the test's) -----------
@@ -221,7 +210,13 @@ def test_the_clients_zmtp_talks_to_a_libzmq_router(tmp_path):
     connection = LocalConnection(endpoint)
     try:
         connection.deliver([[b"MWP1", b"hello", bytes(100_000)]], time.monotonic() + 10)
-        assert router.poll(10_000)
+        # libzmq takes a message before its own READY went out for a protocol error: the
+        # client holds it until the router's READY is read.
+        deadline = time.monotonic() + 10
+        while not router.poll(10):
+            assert time.monotonic() < deadline, "the message never reached the router"
+            connection.pump(10)
+        assert connection.link.open and not connection.link.held
         rid, *frames = router.recv_multipart()
         assert frames == [b"MWP1", b"hello", bytes(100_000)]
         router.send_multipart([rid, b"MWP1", b"reply"])

@@ -290,19 +290,17 @@ def as_zmtp_stream(path: types.SimpleNamespace, data: bytes, kind: str) -> tuple
         ours.close()
 
 
+# Every reader of a byte stream, by kind: (the kind, the reader).
+STREAM_READERS = ([(kind, as_link_stream) for kind in LINK_KINDS]
+                  + [(kind, as_zmtp_stream) for kind in ZMTP_KINDS])
+
+
 def one_input(data: bytes) -> None:
-    for kind in LINK_KINDS:
-        compiled = as_link_stream(COMPILED_PATH, data, kind)
-        pure = as_link_stream(PURE, data, kind)
+    for kind, read in STREAM_READERS:
+        compiled = read(COMPILED_PATH, data, kind)
+        pure = read(PURE, data, kind)
         if compiled != pure:
-            raise AssertionError(f"link ({kind}): compiled {compiled!r} but "
-                                 f"uncompiled {pure!r}")
-    for kind in ZMTP_KINDS:
-        compiled = as_zmtp_stream(COMPILED_PATH, data, kind)
-        pure = as_zmtp_stream(PURE, data, kind)
-        if compiled != pure:
-            raise AssertionError(f"zmtp ({kind}): compiled {compiled!r} but "
-                                 f"uncompiled {pure!r}")
+            raise AssertionError(f"{kind}: compiled {compiled!r} but uncompiled {pure!r}")
     frames = frames_of(data)
     for reader in (as_client_request, as_reply):
         compiled = outcome(reader, COMPILED_PATH, frames)
