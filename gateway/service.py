@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
@@ -27,7 +28,7 @@ import zmq.asyncio
 
 from modelwarden.gateway import kserve
 from modelwarden.shared import __version__, protocol
-from modelwarden.shared.errors import InternalError, RemoteError
+from modelwarden.shared.errors import ConnectionLost, InternalError, RemoteError
 from modelwarden.shared.protocol import SIGNATURE, UNKNOWN_MODEL, ProtocolError
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,9 @@ def _reply_header(frames: list) -> dict | None:
         return None
 
 
+EXIT_DAEMON_GONE = 75  # EX_TEMPFAIL: the daemon went away under the gateway
+
+
 class InferenceService:
     def __init__(self, endpoint: str) -> None:
         from modelwarden.client.client import AsyncClient  # torch: only in the gateway process
@@ -157,12 +161,26 @@ class InferenceService:
         entry = await self.model(name, version)
         arguments = _arguments(entry, inputs)
         timeout = timeout_s if timeout_s is not None else float(entry.get("timeout") or 30.0)
-        result = await self.client.infer(name, arguments, timeout=timeout)
+        try:
+            result = await self.client.infer(name, arguments, timeout=timeout)
+        except ConnectionLost:
+            _gone_with_the_daemon()
         flat, keys = kserve.flatten_outputs(result)
         # Learned outputs are named as name_outputs names undeclared ones: only declared ones
         # are held to their count (a model may return fewer than its warm-up did).
         declared = entry.get("outputs") if entry.get("outputs_declared", True) else None
         return entry.get("version") or "", kserve.name_outputs(flat, declared or None, keys)
+
+
+def _gone_with_the_daemon() -> None:
+    """The daemon closed the connection with this request on it: it died or is stopping, and
+    this process, its child, dies with it (PR_SET_PDEATHSIG: gateway/main.py) a moment later.
+    End now, so that every caller waiting on it sees what it would see then: its connection
+    closed with no answer, a request that may have run (docs/SCALING.md), never an INTERNAL
+    error. A supervisor still alive restarts the gateway (supervisor/gatewaykeeper.py)."""
+    logger.warning("gateway: the daemon closed its connection with requests on it; ending")
+    logging.shutdown()
+    os._exit(EXIT_DAEMON_GONE)
 
 
 def _arguments(entry: dict, inputs: list[kserve.InferInput]) -> Any:
