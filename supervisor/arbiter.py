@@ -266,10 +266,16 @@ class Arbiter:
             self.connections, self.intake.client_message, watch=self._on, unwatch=self._off,
             want_write=poller.want_write, want_read=poller.want_read,
             later=lambda delay, then: self.timers.call_at(self.clock() + delay, then),
-            clock=self.clock)
+            clock=self.clock, gateway=self._is_gateway, uncapped=self.router.replies.uncapped)
         front.listen()
         self.connections.add_listener(front)
         return front
+
+    def _is_gateway(self, pid: int) -> bool:
+        """The peer is the gateway this daemon spawned (a child: its pid is not reused while it
+        is not reaped)."""
+        gateway = self.gateway
+        return gateway is not None and gateway.process is not None and gateway.process.pid == pid
 
     def _bind_private(self) -> None:
         """The socket only the daemon's user may reach: mutating commands. (Workers are reached

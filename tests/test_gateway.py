@@ -29,8 +29,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 from examples.models import make_mlp  # noqa: E402
 from modelwarden import Client  # noqa: E402
-from tests.faulty import pair_reference  # noqa: E402
-from tests.helpers import (Daemon, alive, join_within, memfd_holders, mlp_model,  # noqa: E402
+from tests.faulty import GATE, pair_reference  # noqa: E402
+from tests.helpers import (Daemon, Gate, alive, join_within, memfd_holders, mlp_model,  # noqa: E402
                            peak_rss, peak_rss_reset, perf_analyzer, poll_until, rss_bytes)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -630,8 +630,6 @@ def test_a_daemon_configured_with_a_gateway_it_cannot_run_refuses_to_start(tmp_p
 
 
 def test_readiness_is_503_while_the_daemon_drains_and_the_request_in_flight_completes(tmp_path):
-    from tests.faulty import GATE
-
     gate = tmp_path / "gate"
     model = {"name": "pair", "source": "python:tests.faulty:make_pair",
              "kwargs": {"gate": str(gate)}, "workers": 1, "cores_per_worker": 1, "threads": 1,
@@ -797,7 +795,7 @@ def test_a_json_body_within_max_json_bytes_is_served(daemon):
 
 
 # within one caller's share of the gateway's bytes in flight (a quarter of 4 x 256 MiB)
-BURST_CALLS, BURST_BYTES = 12, 32 * 1024 * 1024
+BURST_CALLS, BURST_BYTES = 7, 32 * 1024 * 1024
 
 
 def test_an_idle_gateway_gives_back_its_shared_memory_after_a_burst(daemon):
@@ -816,6 +814,10 @@ def test_an_idle_gateway_gives_back_its_shared_memory_after_a_burst(daemon):
         finally:
             client.close()
 
+    # One call first: the gateway's client sizes a request's out region by the model's last
+    # reply (client/session.py), and an earlier test's small echo would send the burst's 32 MiB
+    # outputs inline, past the buffers this test is about.
+    assert one_call(0)
     # The most buffers the burst held at once, sampled while it runs: its calls finish about as
     # fast as they come, so a count taken after it may already be lower.
     peak, bursting = [0], threading.Event()
@@ -846,3 +848,53 @@ def test_an_idle_gateway_gives_back_its_shared_memory_after_a_burst(daemon):
           f"the burst ({burst_buffers} buffers), {settled[0] / 2**20:.0f} MiB idle "
           f"({settled[1]} buffers)")
     assert gateway_row(daemon)["pid"] == row["pid"]
+
+
+REPLY_ROWS = 32 * 1024  # a: 1 MiB, so y: 1 MiB
+
+
+def test_the_gateways_connection_is_held_to_the_daemons_reply_cap_alone(tmp_path):
+    """Four 1 MiB replies, batched together, go to the gateway's one connection back to back,
+    past a per-connection cap of 64 KiB (inline: shared memory is off). The gateway answers
+    many callers over that connection and bounds each of them itself, so the daemon holds it to
+    its daemon-wide cap alone: every call is served. A client of the same user is not the
+    gateway, and keeps the connection's cap (tests/test_abuse.py)."""
+    gate = tmp_path / "gate"
+    model = {"name": "pair", "source": "python:tests.faulty:make_pair",
+             "kwargs": {"gate": str(gate)}, "workers": 1, "cores_per_worker": 1, "threads": 1,
+             "warmup": 0, "probe": {"interval": 0}, "batching": {"max_size": 8},
+             "inputs": [{"name": "a", "dtype": "float32", "shape": [-1, 8]},
+                        {"name": "b", "dtype": "float32", "shape": [-1, 1]}]}
+    calls = 4
+    with gateway_daemon([model], shm=False, max_unread_bytes_per_connection=64 * 1024) as instance:
+        instance.wait_ready()
+        row = gateway_row(instance)
+        rng = np.random.default_rng(7)
+        arrays = [{"a": rng.standard_normal((REPLY_ROWS, 8), dtype=np.float32),
+                   "b": rng.standard_normal((REPLY_ROWS, 1), dtype=np.float32)}
+                  for _ in range(calls)]
+
+        def one_call(arrays: dict) -> np.ndarray:
+            client = grpcclient.InferenceServerClient(row["grpc"])
+            try:
+                result = infer(client, grpcclient, "pair", arrays, {"a": "FP32", "b": "FP32"})
+                return result.as_numpy("output__0")
+            finally:
+                client.close()
+
+        held = torch.zeros(1, 8)
+        held[0, 0] = GATE
+        with Client(instance.endpoint, timeout=60) as client:
+            with Gate(instance, client, "pair", (held, torch.zeros(1, 1)), gate) as waiting:
+                with concurrent.futures.ThreadPoolExecutor(calls) as pool:
+                    futures = [pool.submit(one_call, each) for each in arrays]
+                    waiting.queue(calls)
+                    waiting.path.unlink()  # one batch of four, answered back to back
+                    results = [future.result(60) for future in futures]
+        for arrays_in, got in zip(arrays, results):
+            expected = pair_reference(torch.from_numpy(arrays_in["a"]),
+                                      torch.from_numpy(arrays_in["b"]))[0]
+            assert torch.allclose(torch.from_numpy(got), expected, atol=1e-4)
+        batching = instance.status()["models"][0]["batching"]
+        assert batching["batches"] < batching["requests"], batching  # the four came as one
+        assert "not reading its replies" not in instance.log()

@@ -65,6 +65,23 @@ def test_unwritten_replies_are_capped_and_released_once_written():
     assert ledger.prepare(PEER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
 
 
+def test_an_uncapped_connection_is_held_to_the_daemons_cap_alone():
+    """The gateway answers many callers over one connection: a burst of large replies its loop
+    reads late passes the per-connection cap, and only the daemon's refuses."""
+    ledger = ReplyLedger(per_connection=2 * TRACK_EVERY, total=5 * TRACK_EVERY)
+    ledger.uncapped.add(PEER)
+    held = []
+    for _ in range(4):
+        parts = [b"route", b"MWP1", b"header", bytes(TRACK_EVERY)]
+        assert ledger.prepare(PEER, parts, TRACK_EVERY) is None
+        held.append(parts)
+    assert ledger.refusal(PEER) is None
+    refusal = ledger.prepare(PEER, [b"route", bytes(2 * TRACK_EVERY)], 2 * TRACK_EVERY)
+    assert refusal is not None and "max_unread_bytes 5" in refusal
+    # Anyone else: the connection's own cap, as before.
+    assert ledger.prepare(OTHER, [b"route", bytes(TRACK_EVERY)], TRACK_EVERY) is None
+
+
 def test_small_unread_replies_add_up_to_a_refusal():
     """1 KiB replies the peer never reads: each is below TRACK_EVERY, but together they are
     tracked and counted, and the connection's cap refuses them."""

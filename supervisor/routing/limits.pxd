@@ -24,6 +24,7 @@ cdef class _Backlog:
 cdef class ReplyLedger:
     cdef public Py_ssize_t per_connection, total_cap, total, refusing
     cdef public dict backlogs
+    cdef public set uncapped
 
     @cython.locals(backlog=_Backlog, unread=cython.Py_ssize_t, fresh=bint)
     cpdef prepare(self, object connection, list parts, Py_ssize_t nbytes)

@@ -22,7 +22,10 @@ hold, and what a peer gets at each bound.
   connection's forgotten backlog had not covered: ``sweep``) + one reply; in all
   ``max_unread_bytes`` + 3 x ``TRACK_EVERY`` per connection + one reply. Error and hello
   replies are not counted; they are small and, per connection, at most the frontend's
-  ``ZMQ_SNDHWM`` in number.
+  ``ZMQ_SNDHWM`` in number. The daemon's own gateway's connection (``uncapped``: the local
+  frontends know it by its pid) is bound by the daemon's cap alone: it answers many callers over
+  one connection and bounds each of them itself (gateway/quota.py), and a burst of large replies
+  its event loop reads a moment late is not dropped.
 
 A connection is ``(frontend index, routing id)``.
 Tracking costs about 20 us of CPU per tracked reply (pyzmq's free callback goes through its
@@ -142,6 +145,8 @@ class ReplyLedger:
         self.total = 0
         self.backlogs: dict[tuple, _Backlog] = {}
         self.refusing = 0  # backlogs refusing their connection's requests: none, mostly
+        # Connections held to the daemon's cap alone: the gateway's (see the module's docstring).
+        self.uncapped: set[tuple] = set()
 
     def refusal(self, connection: tuple) -> str | None:
         """Why new requests from ``connection`` are refused now, or None."""
@@ -169,7 +174,8 @@ class ReplyLedger:
             self.total += backlog.settle()
         backlog.idle_sweeps = 0
         unread = backlog.unread
-        if unread and (unread + nbytes > self.per_connection or self.total + nbytes > self.total_cap):
+        if unread and ((unread + nbytes > self.per_connection and connection not in self.uncapped)
+                       or self.total + nbytes > self.total_cap):
             if not backlog.refusing:
                 logger.warning("a peer is not reading its replies (%d bytes unread, daemon %d): "
                                "dropping its replies and refusing its requests", unread, self.total)

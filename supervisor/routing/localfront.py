@@ -97,7 +97,8 @@ class LocalFrontend(UnixListener):
                  watch: Callable[[int, Callable[[], None]], None], unwatch: Callable[[int], None],
                  want_write: Callable[[int, bool], None], want_read: Callable[[int, bool], None],
                  later: Callable[[float, Callable[[], None]], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], gateway: Callable[[int], bool] = lambda pid: False,
+                 uncapped: set | None = None) -> None:
         super().__init__(path_of(endpoint), socket.SOCK_STREAM, BACKLOG, group, endpoint, guard,
                          watch, unwatch, later, clock)
         self.index = index
@@ -108,6 +109,9 @@ class LocalFrontend(UnixListener):
         self.closed = False
         self._by_rid: dict[bytes, _Connection] = {}
         self._next = 1
+        # The daemon's own gateway, known by its pid (SO_PEERCRED): its connection's replies are
+        # bound by the daemon's cap alone (supervisor/routing/limits.py ``ReplyLedger.uncapped``).
+        self._is_gateway, self._uncapped = gateway, uncapped if uncapped is not None else set()
 
     def listen(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +130,8 @@ class LocalFrontend(UnixListener):
         connection = _Connection(link, rid, (self.index, rid), uid_identity(uid), uid)
         link.on_pending = lambda waiting: self._backed_up(connection, waiting)
         self._by_rid[rid] = connection
+        if self._is_gateway(pid):
+            self._uncapped.add(connection.key)
         self._watch(link.fd, lambda: self._serve(connection))
         self._started(connection)
 
@@ -182,6 +188,7 @@ class LocalFrontend(UnixListener):
     def disconnect(self, connection: _Connection) -> None:
         if self._by_rid.pop(connection.rid, None) is None:
             return
+        self._uncapped.discard(connection.key)
         self._unwatch(connection.link.fd)
         connection.link.on_pending = None
         connection.link.close()
