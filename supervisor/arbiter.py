@@ -32,6 +32,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Callable
 
 import zmq
 
@@ -76,6 +77,7 @@ logger = logging.getLogger(__name__)
 TICK = 0.1  # health checks: heartbeats, probe timeouts, memory, drain deadlines
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)  # no meaning yet: logged, never fatal
+CONTROL_INDEX = -1  # control.sock's index (in its connections' keys): no frontend has it
 FRONTEND_HWM = 100_000  # a ROUTER drops what exceeds its HWM: replies must not be dropped
 
 
@@ -250,20 +252,34 @@ class Arbiter:
                 self.frontends.append(sock)
                 self._on(sock, functools.partial(self.intake.drain_clients, index))
                 self._watch_connections(sock, endpoint, pausable=True)
-            self.control = self._router_socket(self.settings.control_endpoint, client_facing=True)
-            self._on(self.control, self._on_control, quiet=True)
-            self._watch_connections(self.control, self.settings.control_endpoint, pausable=True)
+            self._bind_control(self.settings.control_endpoint)
         finally:
             os.umask(old_umask)
         self._bind_private()
 
-    def _local_frontend(self, index: int, endpoint: str, kind: type) -> localfront.LocalFrontend:
+    def _bind_control(self, endpoint: str) -> None:
+        """``control.sock``: the loop's own ZMTP listener at a path, as the ``ipc://`` frontends.
+        libzmq's ``ipc://`` listener aborts the process when ``accept`` fails with EMFILE
+        (supervisor/routing/connections.py), and its I/O thread accepts ahead of the loop that
+        pauses it; the loop's own listener admits each connection before it holds it. An
+        abstract ``ipc://@NAME`` or a ``tcp://`` endpoint stays libzmq's ROUTER."""
+        if zmtpfront.is_zmtp(endpoint):
+            self.control = self._local_frontend(CONTROL_INDEX, endpoint, zmtpfront.ZmtpFrontend,
+                                                on_message=self._on_control_message)
+            return
+        self.control = self._router_socket(endpoint, client_facing=True)
+        self._on(self.control, self._on_control, quiet=True)
+        self._watch_connections(self.control, endpoint, pausable=True)
+
+    def _local_frontend(self, index: int, endpoint: str, kind: type,
+                        on_message: Callable | None = None) -> localfront.LocalFrontend:
         """A ``unix://`` frontend, or an ``ipc://`` one (``kind`` ZmtpFrontend): its listener
-        and connections are the loop's own."""
+        and connections are the loop's own. ``on_message``: the intake's, unless given."""
         poller = self.loop.poller
         front = kind(
             index, endpoint, self.settings.daemon.shm_group, self.settings.daemon.max_message_bytes,
-            self.connections, self.intake.client_message, watch=self._on, unwatch=self._off,
+            self.connections, on_message or self.intake.client_message, watch=self._on,
+            unwatch=self._off,
             want_write=poller.want_write, want_read=poller.want_read,
             later=lambda delay, then: self.timers.call_at(self.clock() + delay, then),
             clock=self.clock, gateway=self._is_gateway, uncapped=self.router.replies.uncapped)
@@ -450,6 +466,10 @@ class Arbiter:
     def _on_control(self) -> None:
         self._control_message(self.control, recv_parts(self.control), admin=False)
 
+    def _on_control_message(self, index, front, frames: list, *_) -> None:
+        """A message on the loop's own ``control.sock`` (the routing id in front, as a ROUTER's)."""
+        self._control_message(front, frames, admin=False)
+
     def _on_admin(self) -> None:
         self._control_message(self.admin, recv_parts(self.admin), admin=True)
 
@@ -457,7 +477,8 @@ class Arbiter:
         request_id = None
         try:
             envelope = protocol.split_router_message(frames)
-            header = protocol.unpack_header(envelope.header.buffer)
+            raw = envelope.header  # a zmq.Frame from libzmq, bytes from the loop's own listener
+            header = protocol.unpack_header(getattr(raw, "buffer", raw))
             request_id = protocol.request_id_of(header)
             kind = header.get("type")
             command = COMMANDS.get(kind) if isinstance(kind, str) else None

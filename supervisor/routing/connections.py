@@ -7,10 +7,10 @@ thread, not by our loop. What libzmq 4.3.5 does when ``accept()`` fails depends 
   connection, which stays in the kernel's queue; the level-triggered poller retries at once);
 * ``src/ipc_listener.cpp`` line 297 tolerates only ``EAGAIN EWOULDBLOCK EINTR ECONNABORTED EPROTO
   ENFILE``: at ``EMFILE`` its ``errno_assert`` aborts the whole supervisor, and the workers with
-  it (``Too many open files (src/ipc_listener.cpp:297)``). The control socket and the admin
-  socket are libzmq ipc listeners (the ``ipc://`` frontends are the loop's own:
-  supervisor/routing/zmtpfront.py); libzmq also asserts when it cannot make the eventfd of a new
-  socket.
+  it (``Too many open files (src/ipc_listener.cpp:297)``). The admin socket and an abstract
+  ``ipc://@NAME`` frontend are libzmq ipc listeners (the ``ipc://PATH`` frontends and the
+  control socket are the loop's own: supervisor/routing/zmtpfront.py); libzmq also asserts when
+  it cannot make the eventfd of a new socket.
 
 So the descriptor table must never fill. The contract:
 
@@ -21,9 +21,9 @@ So the descriptor table must never fill. The contract:
    after ``ZMQ_HANDSHAKE_IVL``, 30 s, and counted down then). The monitors sit in the loop's one
    poller.
 3. One account for every descriptor an outsider can make the supervisor hold: connections on
-   every listener (``tcp://`` frontends and ``control.sock``, counted by their monitors; the
-   ``ipc://`` and ``unix://`` frontends, ``buffers.sock`` and the metrics port, which the loop
-   accepts on itself and ``charge``s), the descriptors
+   every listener (``tcp://`` and abstract ``ipc://@`` frontends, counted by their monitors;
+   the ``ipc://`` and ``unix://`` frontends, ``control.sock``, ``buffers.sock`` and the metrics
+   port, which the loop accepts on itself and ``charge``s), the descriptors
    received over ``buffers.sock`` (charged the moment ``recvmsg`` installed them, refunded when
    they are closed or revoked) and nothing else: the supervisor never maps a buffer. The count
    of open descriptors is measured at ticks (each tick while few are open or the account is near
@@ -47,9 +47,10 @@ being served. Instead:
 
 * an ``ipc://`` listener's socket file is renamed aside (``.NAME.paused`` in the same directory,
   ``SocketFileAside``): new clients get ENOENT; the listening socket, its permissions and its
-  accepted connections stay as they are; resuming renames it back. So are libzmq's
-  (``control.sock``) and the loop's own ZMTP frontends' (supervisor/routing/zmtpfront.py), which
-  also leave the poller: what connected just before the rename waits in the backlog;
+  accepted connections stay as they are; resuming renames it back. So are libzmq's and the
+  loop's own ZMTP listeners' (supervisor/routing/zmtpfront.py: the ``ipc://`` frontends and
+  ``control.sock``), which also leave the poller: what connected just before the rename waits in
+  the backlog;
 * a ``tcp://`` listener gets a classic BPF filter that drops every packet (``SO_ATTACH_FILTER``):
   the kernel runs a listening socket's filter on each SYN, so new clients are not answered (their
   SYNs are retransmitted, and connect once the listener resumes); connections accepted before

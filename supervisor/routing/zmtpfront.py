@@ -32,8 +32,10 @@ worker link's framing:
 
 Why not libzmq's ROUTER: every request and reply would cross libzmq's I/O thread (about 12 us of
 the supervisor's CPU per request, docs/ARCHITECTURE.md). ``tcp://`` frontends (CURVE, the ZAP
-handler, BPF-paused listeners), ``control.sock`` and ``admin.sock`` stay libzmq's, and an
-abstract ``ipc://@NAME`` too: it has no file, so no permissions, and is what libzmq makes of it.
+handler, BPF-paused listeners) and ``admin.sock`` stay libzmq's, and an abstract
+``ipc://@NAME`` too: it has no file, so no permissions, and is what libzmq makes of it.
+``control.sock`` is one of these listeners too (supervisor/arbiter.py ``_bind_control``): its
+messages go to the daemon's commands instead of the intake.
 """
 
 from __future__ import annotations
